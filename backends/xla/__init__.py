@@ -1,0 +1,1 @@
+"""xla backend."""

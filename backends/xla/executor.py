@@ -1,0 +1,239 @@
+"""XLA graph executor: precompile every bucket, then serve without compiling.
+
+torch_xla traces lazily; each `torch_xla.sync()` turns the pending ops into one
+graph, compiled the first time its (ops, shapes, dtypes) hash is seen and
+replayed afterwards. A step is cut into separately compiled pieces, exactly as
+in the TPU reference runner:
+
+  backbone          one graph per token bucket T (the attention reads only
+                    T-shaped inputs, see `XLABackend.host_attention_extras`)
+  select_hidden     hidden[logits_indices], per (T, R) with R <= the first
+                    request bucket >= min(T, largest request bucket)
+  logits            per request bucket R
+  sample_greedy     per R (all rows greedy: mask + argmax)
+  sample_random     per R (temperature, top-k/p, min-p, counter-based noise)
+  logprobs          per R (raw log_softmax + fixed top-K)
+
+`prepare` compiles all of them (tqdm bar, total time logged). After it,
+every compilation is a bug: it is logged, and raises `RecompilationError`
+with the offending piece and shapes in strict mode
+(`RunnerConfig.strict_no_recompile` or `POLYRUNNER_XLA_STRICT=1`).
+Graphs are counted with torch_xla's `CompileTime` metric around this
+executor's own syncs, so several engines in one process do not blur the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from polyrunner.backend import GraphExecutor, ModelInputs
+from polyrunner.buckets import BucketPolicy
+from polyrunner.sample import SamplerOutput
+from polyrunner.backends.xla.sampling import (
+    MAX_LOGPROBS,
+    STOP_WIDTH,
+    RowLogprobs,
+    SamplingInputs,
+    build_sampling_inputs,
+    sample_greedy,
+    sample_random,
+    topk_logprobs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RecompilationError(RuntimeError):
+    """A new XLA graph was compiled after warm-up while strict mode is on."""
+
+
+def strict_from_env() -> bool:
+    return os.environ.get("POLYRUNNER_XLA_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def select_buckets(num_tokens: int, request_buckets: list[int]) -> list[int]:
+    """Request buckets a batch padded to `num_tokens` can have (R <= T)."""
+    out = []
+    for r in request_buckets:
+        out.append(r)
+        if r >= min(num_tokens, request_buckets[-1]):
+            break
+    return out
+
+
+class XLAGraphExecutor(GraphExecutor):
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, vocab_size: int,
+                 strict: bool, enforce_eager: bool, seed: int) -> None:
+        import torch_xla
+        import torch_xla.debug.metrics as met
+        super().__init__(model)
+        self._torch_xla, self._met = torch_xla, met
+        self.device = device
+        self.vocab_size = vocab_size
+        self.strict = strict and not enforce_eager
+        self.enforce_eager = enforce_eager
+        self.max_logprobs = min(MAX_LOGPROBS, vocab_size)
+        self.rng = np.random.default_rng(seed)
+        self.compiled = 0            # graphs compiled by this executor's syncs
+        self.warm = False            # True once every bucket is compiled
+        self.warmup_graphs = 0
+        self.warmup_seconds = 0.0
+        self.serving_graphs = 0      # graphs compiled after warm-up (should stay 0)
+        if enforce_eager and strict:
+            logger.warning("xla: strict_no_recompile is ignored with enforce_eager")
+        self._sync("load_weights", ())  # materialise weights and buffers before counting buckets
+
+    # ---- graph accounting --------------------------------------------------------
+    def _compile_count(self) -> int:
+        data = self._met.metric_data("CompileTime")
+        return 0 if data is None else int(data[0])
+
+    def _sync(self, piece: str, shape: Any) -> None:
+        before = self._compile_count()
+        self._torch_xla.sync()
+        new = self._compile_count() - before
+        if not new:
+            return
+        self.compiled += new
+        if self.warm:
+            self.serving_graphs += new
+            msg = (f"{new} new XLA graph(s) compiled after warm-up for piece {piece!r} at shape "
+                   f"{shape}; every bucket should have been precompiled")
+            if self.strict:
+                raise RecompilationError(msg)
+            logger.warning(msg)
+
+    def num_graphs(self) -> int:
+        return self.compiled
+
+    def _dev(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+        return t.to(self.device)
+
+    # ---- warm-up ------------------------------------------------------------------
+    def prepare(self, run_dummy: Callable[[int, int], Any], buckets: BucketPolicy) -> None:
+        if self.enforce_eager:
+            logger.warning("xla: enforce_eager is set, skipping precompilation; every new shape "
+                           "compiles when first seen (slow first steps)")
+            return
+        tokens, reqs = buckets.token_buckets, buckets.request_buckets
+        plan = len(tokens) + sum(len(select_buckets(t, reqs)) for t in tokens) + 4 * len(reqs)
+        start_graphs, t0 = self.compiled, time.perf_counter()
+        bar = tqdm(total=plan, desc="XLA precompile", unit="graph", leave=False)
+        hidden = None
+        with _no_grad():
+            for T in tokens:
+                bar.set_postfix_str(f"backbone T={T}")
+                hidden = run_dummy(T, min(T, reqs[-1]))
+                bar.update()
+                for R in select_buckets(T, reqs):
+                    self._select(hidden, self._dev(np.zeros(R, np.int64)))
+                    bar.update()
+            for R in reqs:
+                bar.set_postfix_str(f"sampling R={R}")
+                sel = self._dev(torch.zeros(R, hidden.shape[1], dtype=hidden.dtype))
+                logits = self._logits(sel)
+                dummy = _dummy_sampling(R, self.vocab_size)
+                greedy = self._sample(logits, dummy, all_greedy=True)
+                sampled = self._sample(logits, dummy, all_greedy=False)
+                self._logprobs(logits, sampled)
+                del greedy
+                bar.update(4)
+        bar.close()
+        self.warmup_graphs = self.compiled - start_graphs
+        self.warmup_seconds = time.perf_counter() - t0
+        self.warm = True
+        logger.info("xla: precompiled %d graphs (%d token x %d request buckets) in %.1f s",
+                    self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds)
+
+    # ---- pieces -------------------------------------------------------------------
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        with _no_grad():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+            self._sync("backbone", {"tokens": int(inputs.input_ids.shape[0])})
+        return hidden
+
+    def _select(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        selected = hidden[indices]
+        self._sync("select_hidden", {"tokens": int(hidden.shape[0]), "reqs": int(indices.shape[0])})
+        return selected
+
+    def _logits(self, selected: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(selected)
+        self._sync("logits", {"reqs": int(selected.shape[0])})
+        return logits
+
+    def _sample(self, logits: torch.Tensor, si: SamplingInputs, all_greedy: bool) -> torch.Tensor:
+        stop = self._dev(si.stop_ids)
+        if all_greedy:
+            tokens = sample_greedy(logits, stop)
+        else:
+            tokens = sample_random(logits, stop, *(self._dev(a) for a in si.random_args()))
+        piece = "sample_greedy" if all_greedy else "sample_random"
+        self._sync(piece, {"reqs": int(logits.shape[0])})
+        return tokens
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor):
+        lp = topk_logprobs(logits, tokens, self.max_logprobs)
+        self._sync("logprobs", {"reqs": int(logits.shape[0]), "k": self.max_logprobs})
+        return lp
+
+    def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice,
+               discard: np.ndarray, sampler) -> SamplerOutput:
+        """Sample the rows `rows` of the persistent batch over all `R_pad` padded rows."""
+        with _no_grad():
+            return self._sample_rows(hidden, inputs, batch, rows)
+
+    def _sample_rows(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice) -> SamplerOutput:
+        R_pad = int(inputs.logits_indices.shape[0])
+        logits = self._logits(self._select(hidden, inputs.logits_indices))
+        si = build_sampling_inputs(batch, rows, R_pad, self.vocab_size, self.rng,
+                                   STOP_WIDTH, self.max_logprobs)
+        if si.host_only:
+            return self._sample_on_host(logits, si)
+        tokens = self._sample(logits, si, si.all_greedy)
+        logprobs = None
+        if si.max_logprobs >= 0:
+            lp = self._logprobs(logits, tokens)
+            logprobs = RowLogprobs(lp.token_ids, lp.logprobs, lp.ranks, si.num_logprobs)
+        return SamplerOutput(tokens, logprobs)
+
+    def _sample_on_host(self, logits: torch.Tensor, si: SamplingInputs) -> SamplerOutput:
+        """Same functions on the host, for a step the graphs cannot hold (more stop ids
+        than the graph's width, or more logprobs than its K); no compilation."""
+        logits = logits.cpu()
+        stop = torch.from_numpy(si.stop_ids)
+        if si.all_greedy:
+            tokens = sample_greedy(logits, stop)
+        else:
+            tokens = sample_random(logits, stop, *(torch.from_numpy(a) for a in si.random_args()))
+        logprobs = None
+        if si.max_logprobs >= 0:
+            lp = topk_logprobs(logits, tokens, si.max_logprobs)
+            logprobs = RowLogprobs(lp.token_ids, lp.logprobs, lp.ranks, si.num_logprobs)
+        return SamplerOutput(tokens, logprobs)
+
+
+@contextlib.contextmanager
+def _no_grad():
+    """no_grad instead of the runner's inference_mode: torch_xla's functionalization
+    cannot handle inference tensors ("Cannot set version_counter for inference tensor")."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def _dummy_sampling(R: int, vocab: int) -> SamplingInputs:
+    return SamplingInputs(
+        num_rows=R, all_greedy=True, stop_ids=np.full((R, STOP_WIDTH), vocab, np.int64),
+        temperature=np.ones(R, np.float32), top_k=np.full(R, vocab, np.int64),
+        top_p=np.ones(R, np.float32), min_p=np.zeros(R, np.float32), is_greedy=np.ones(R, bool),
+        keys=np.zeros(R, np.int64), num_logprobs=np.full(R, -1, np.int64), max_logprobs=-1,
+        host_only=False)

@@ -1,0 +1,205 @@
+"""XLA backend (TPU path, verified on CPU XLA): padding buckets, precompiled
+graphs, a no-recompilation guarantee, static-shape attention and sampling.
+
+torch_xla is imported only inside `probe()` and methods, never at module
+import: without it the backend is listed as "unavailable: torch_xla is not
+installed". `PJRT_DEVICE` picks the device (CPU in CI, TPU in production).
+
+What runs where:
+- inputs are prepared on the host (numpy), padded to a (token, request)
+  bucket and moved with plain transfers, which never compile;
+- the KV cache is allocated on the host and transferred (no fill op compiled);
+- attention is `polyrunner.attention.static_shape` (plain torch, one graph per
+  token bucket). On a real TPU with `POLYRUNNER_XLA_PALLAS` not "0", the
+  Pallas ragged paged attention kernel is used instead (see `pallas.py`):
+  that path is UNVERIFIED on TPU hardware, and is isolated behind the probe;
+- graphs and sampling: see `executor.py` and `sampling.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from polyrunner.attention.metadata import NULL_BLOCK, AttentionMetadata, LayerSpec
+from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
+from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
+from polyrunner.buckets import BucketPolicy
+from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.plugins import hookimpl
+from polyrunner.backends.xla.buckets import xla_bucket_policy
+
+if TYPE_CHECKING:
+    from polyrunner.config import EngineConfig
+    from polyrunner.input_prep import StepInputs
+
+logger = logging.getLogger(__name__)
+
+XLA_SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "logprobs"})
+CPU_KV_CAP_BYTES = 1 << 30  # default KV budget on the CPU PJRT device (host memory)
+
+
+def _device_kind() -> str:
+    import torch_xla.runtime as xr
+    return str(xr.device_type() or "")
+
+
+class XLABackend(Backend):
+    """torch_xla device: TPU in production, the CPU PJRT device in CI."""
+
+    name = "xla"
+    priority = 20
+    capabilities = Capabilities(graph_mode="xla", static_shapes=True, counts_graphs=True,
+                                async_output=False, dtypes=(torch.float32, torch.bfloat16),
+                                sampling=XLA_SAMPLING)
+    communicator_backend = "xla"
+
+    def __init__(self) -> None:
+        self._device: torch.device | None = None
+        self._max_num_reqs = 8
+        self._pallas: bool | None = None
+
+    # ---- identity -------------------------------------------------------------
+    @classmethod
+    def probe(cls) -> Availability:
+        # Read before importing: torch_xla's import fills in PJRT_DEVICE=CPU by default.
+        explicit = os.environ.get("PJRT_DEVICE")
+        try:
+            import torch_xla
+        except ImportError:
+            return Availability(False, "torch_xla is not installed")
+        except Exception as exc:  # a broken install must not break listing
+            return Availability(False, f"torch_xla failed to import: {type(exc).__name__}: {exc}")
+        try:
+            kind = _device_kind()
+            if not explicit and kind != "TPU":
+                return Availability(False, "no TPU found (set PJRT_DEVICE=CPU to run on the CPU XLA device)")
+            device = torch_xla.device()
+        except Exception as exc:
+            return Availability(False, f"no XLA device: {type(exc).__name__}: {exc}")
+        return Availability(True, "", f"{device} ({kind})")
+
+    @property
+    def device(self) -> torch.device:
+        if self._device is None:
+            import torch_xla
+            self._device = torch_xla.device()
+        return self._device
+
+    @property
+    def on_tpu(self) -> bool:
+        return _device_kind() == "TPU"
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.on_tpu else torch.float32
+
+    @property
+    def use_pallas(self) -> bool:
+        """Pallas ragged paged attention: real TPU only (unverified on hardware)."""
+        if self._pallas is None:
+            self._pallas = self.on_tpu and os.environ.get("POLYRUNNER_XLA_PALLAS", "1") != "0"
+        return self._pallas
+
+    # ---- padding --------------------------------------------------------------
+    def bucket_policy(self, config: "EngineConfig") -> BucketPolicy:
+        limit = None
+        if self.use_pallas:
+            from polyrunner.backends.xla import pallas
+            max_len = config.model.max_model_len or 8192
+            limit = pallas.max_num_seqs(max_len, config.cache.block_size)
+        policy = xla_bucket_policy(config, limit)
+        self._max_num_reqs = policy.request_buckets[-1]
+        return policy
+
+    # ---- KV cache ---------------------------------------------------------------
+    def kv_cache_budget(self, config: "EngineConfig", weights_bytes: int,
+                        profile: Callable[[], None]) -> int:
+        """No profiling run (it would compile a throw-away graph): the budget is the
+        device's free memory (weights are already on it) times the utilisation.
+        On the CPU PJRT device the budget is capped at 1 GiB
+        (`POLYRUNNER_XLA_CPU_KV_BYTES`) unless kv_cache_memory_bytes is set."""
+        if config.cache.kv_cache_memory_bytes is not None:
+            return config.cache.kv_cache_memory_bytes
+        free, total = self.memory_info()
+        if self.on_tpu:
+            return max(0, int(total * config.cache.memory_utilization) - (total - free))
+        cap = int(os.environ.get("POLYRUNNER_XLA_CPU_KV_BYTES", CPU_KV_CAP_BYTES))
+        return max(0, min(cap, int(free * config.cache.memory_utilization) - weights_bytes))
+
+    def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+        """Zeros made on the host and transferred: a transfer never compiles a graph."""
+        if self.use_pallas:
+            from polyrunner.backends.xla import pallas
+            if not pallas.supports(spec):
+                logger.warning("xla: head size %d is not a multiple of 128; using the static-shape "
+                               "torch attention instead of Pallas", spec.head_size)
+                self._pallas = False
+        if self.use_pallas:
+            shape = pallas.kv_cache_shape(spec, num_blocks)
+        else:
+            shape = spec.layer_shape(num_blocks)
+        return [torch.zeros(shape, dtype=spec.dtype).to(self.device) for _ in range(spec.num_layers)]
+
+    # ---- attention ----------------------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        if "pallas_num_seqs" in meta.extras:
+            from polyrunner.backends.xla import pallas
+            return pallas.attention(q, k, v, kv_cache, meta, spec)
+        return static_shape_paged_attention(q, k, v, kv_cache, meta, spec)
+
+    def host_attention_extras(self, step: "StepInputs") -> dict[str, np.ndarray]:
+        """Host-built, token-shaped inputs so the backbone graph depends only on T_pad."""
+        if self.use_pallas:
+            from polyrunner.backends.xla import pallas
+            return pallas.host_inputs(step, self._max_num_reqs)
+        tables = step.block_tables[step.token_to_req]
+        tables[step.num_tokens:] = NULL_BLOCK
+        return {TOKEN_BLOCK_TABLES: tables}
+
+    # ---- graphs -------------------------------------------------------------------
+    def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
+        from polyrunner.backends.xla.executor import XLAGraphExecutor, strict_from_env
+        vocab = model.arch.vocab_size if hasattr(model, "arch") else model.compute_logits(
+            torch.zeros(1, 1)).shape[-1]
+        return XLAGraphExecutor(model, self.device, vocab_size=vocab,
+                                strict=config.runner.strict_no_recompile or strict_from_env(),
+                                enforce_eager=config.runner.enforce_eager, seed=config.model.seed)
+
+    # ---- host <-> device ------------------------------------------------------------
+    def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
+        return t.to(self.device)
+
+    def to_host_async(self, tensor: torch.Tensor) -> HostFuture:
+        return HostFuture(tensor.cpu())  # blocking: torch_xla has no async device->host copy here
+
+    def synchronize(self) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.wait_device_ops()
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        # Sampling noise is counter-based (seed, output index) on the device; the
+        # generator only satisfies the runner's per-request bookkeeping.
+        g = torch.Generator()
+        g.manual_seed(seed)
+        return g
+
+    def memory_info(self) -> tuple[int, int]:
+        if self.on_tpu:
+            import torch_xla.core.xla_model as xm
+            info = xm.get_memory_info(self.device)
+            total = int(info["bytes_limit"])
+            return total - int(info["bytes_used"]), total
+        page = os.sysconf("SC_PAGE_SIZE")  # the CPU PJRT device lives in host memory
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+@hookimpl
+def polyrunner_backends() -> list[type[Backend]]:
+    return [XLABackend]

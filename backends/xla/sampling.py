@@ -1,0 +1,176 @@
+"""Static-shape sampling over padded request rows.
+
+Every tensor here has `R_pad` rows (a request bucket), so each piece compiles
+once per bucket: the all-greedy graph (min_tokens mask + argmax), the random
+graph (mask, temperature, top-k, top-p, min-p, then argmax(probs / q)), and
+the logprob graph (log_softmax + top-K, with K fixed). The functions are plain
+torch and run unchanged on the host for the rare step the graphs cannot take
+(see `SamplingInputs.host_only`).
+
+Randomness is counter-based, not a device RNG: row r's noise over the
+vocabulary is a hash of (key_r, token id), where key_r mixes the request's
+seed with the index of the output token being sampled. A seeded request thus
+samples the same tokens whatever else is in the batch, after preemption, and
+on either path; unseeded rows get a fresh key from the engine-seeded host RNG.
+
+Unsupported on the device (declared in the backend's capabilities, so the
+engine rejects such requests): penalties, logit_bias, allowed_token_ids,
+bad_words, prompt_logprobs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from polyrunner.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs, gather_logprobs
+from polyrunner.sample.ops import apply_min_p, apply_top_k_top_p
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+STOP_WIDTH = int(os.environ.get("POLYRUNNER_XLA_STOP_WIDTH", "8"))       # min_tokens stop ids per row
+MAX_LOGPROBS = int(os.environ.get("POLYRUNNER_XLA_MAX_LOGPROBS", "20"))  # K of the logprob graph
+
+
+# ---- counter-based noise ----------------------------------------------------
+def mix32(x):
+    """A 32-bit integer finaliser (lowbias32); works on numpy uint64/int64 and torch int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """Host: one 32-bit key per row from a 64-bit seed and the output index."""
+    seeds = seeds.astype(np.uint64)
+    lo, hi = seeds & np.uint64(MASK32), seeds >> np.uint64(32)
+    c = mix32(counters.astype(np.uint64) & np.uint64(MASK32))
+    return mix32(lo ^ mix32(hi ^ c)).astype(np.int64)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[R, V]` Exp(1) noise, a pure function of (key, token id); never 0."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)
+    h = mix32((keys.unsqueeze(1) + ids.unsqueeze(0) * GOLDEN) & MASK32)
+    h = mix32(h ^ keys.unsqueeze(1))
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)
+
+
+# ---- the graphs (plain torch, static shapes) ---------------------------------
+def mask_stop_ids(logits: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """-inf at `stop_ids` `[R, S]` (value V = unused slot): min_tokens not reached yet."""
+    rows, vocab = logits.shape
+    hit = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    hit = hit.scatter(1, stop_ids, True)[:, :vocab]
+    return logits.masked_fill(hit, float("-inf"))
+
+
+def sample_greedy(logits: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    return mask_stop_ids(logits, stop_ids).argmax(dim=-1)
+
+
+def sample_random(logits: torch.Tensor, stop_ids: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  is_greedy: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    logits = mask_stop_ids(logits, stop_ids)
+    greedy = logits.argmax(dim=-1)
+    scaled = apply_top_k_top_p(logits / temperature.unsqueeze(1), top_k, top_p)
+    probs = apply_min_p(torch.softmax(scaled, dim=-1), min_p)
+    sampled = probs.div(exponential_noise(keys, logits.shape[1])).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def topk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> LogprobsTensors:
+    """Raw logprobs of `tokens` plus the top-k, k fixed (one graph per bucket)."""
+    return gather_logprobs(compute_logprobs(logits), k, tokens)
+
+
+# ---- host side ------------------------------------------------------------------
+@dataclass
+class SamplingInputs:
+    """Padded host arrays for one step's rows (`R_pad` rows, padding = greedy no-ops)."""
+
+    num_rows: int
+    all_greedy: bool
+    stop_ids: np.ndarray      # [R_pad, S] int64 (V = unused)
+    temperature: np.ndarray   # [R_pad] f32
+    top_k: np.ndarray         # [R_pad] int64
+    top_p: np.ndarray         # [R_pad] f32
+    min_p: np.ndarray         # [R_pad] f32
+    is_greedy: np.ndarray     # [R_pad] bool
+    keys: np.ndarray          # [R_pad] int64
+    num_logprobs: np.ndarray  # [num_rows] int64, -1 = none
+    max_logprobs: int         # -1 = no row wants logprobs
+    host_only: bool           # a row needs more than the graphs hold (stop ids / logprobs)
+
+    def random_args(self) -> tuple[np.ndarray, ...]:
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.is_greedy, self.keys)
+
+
+def build_sampling_inputs(batch, rows: slice, padded_rows: int, vocab: int,
+                          rng: np.random.Generator, stop_width: int = STOP_WIDTH,
+                          max_logprobs: int = MAX_LOGPROBS) -> SamplingInputs:
+    """Read rows `rows` of the persistent batch's `SamplingState` into padded arrays."""
+    s = batch.sampling
+    start, stop = rows.start or 0, rows.stop
+    n = stop - start
+    R = max(padded_rows, n)
+    greedy = s.greedy[start:stop]
+    is_greedy = np.ones(R, bool)
+    is_greedy[:n] = greedy
+    temperature = np.ones(R, np.float32)
+    temperature[:n] = s.temperature[start:stop]
+    top_k = np.full(R, vocab, np.int64)
+    top_k[:n] = s.top_k[start:stop]
+    top_p = np.ones(R, np.float32)
+    top_p[:n] = s.top_p[start:stop]
+    min_p = np.zeros(R, np.float32)
+    min_p[:n] = s.min_p[start:stop]
+
+    num_out = (batch.num_tokens[start:stop].astype(np.int64)
+               - batch.num_prompt_tokens[start:stop].astype(np.int64))
+    keys = np.zeros(R, np.int64)
+    all_greedy = bool(greedy.all())
+    if not all_greedy:
+        seeds = rng.integers(0, 1 << 62, size=n, dtype=np.int64).astype(np.uint64)
+        for i in range(n):
+            params = s.params[start + i]
+            if params is not None and params.seed is not None:
+                seeds[i] = np.uint64(params.seed)
+        keys[:n] = row_keys(seeds, num_out)
+
+    active = [i for i in np.flatnonzero(num_out < s.min_tokens[start:stop])
+              if s.stop_ids[start + i] is not None]
+    width = max([stop_width] + [len(s.stop_ids[start + i]) for i in active])
+    stop_ids = np.full((R, width), vocab, np.int64)
+    for i in active:
+        ids = s.stop_ids[start + i]
+        stop_ids[i, :len(ids)] = ids
+
+    num_logprobs = s.num_logprobs[start:stop].copy()
+    max_lp = int(num_logprobs.max()) if n else -1
+    host_only = width > stop_width or max_lp > min(max_logprobs, vocab)
+    return SamplingInputs(n, all_greedy, stop_ids, temperature, top_k, top_p, min_p, is_greedy,
+                          keys, num_logprobs, max_lp, host_only)
+
+
+@dataclass
+class RowLogprobs(LogprobsTensors):
+    """Logprobs of a padded step with a fixed top-k; `tolists` keeps each row's own k."""
+
+    num_logprobs: np.ndarray | None = None  # [rows] per-row k (-1: none)
+
+    def tolists(self) -> LogprobsLists:
+        full = super().tolists()
+        if self.num_logprobs is None:
+            return full
+        n = len(self.num_logprobs)
+        ends = [max(int(k), 0) + 1 for k in self.num_logprobs]
+        return LogprobsLists([ids[:e] for ids, e in zip(full.token_ids[:n], ends)],
+                             [lp[:e] for lp, e in zip(full.logprobs[:n], ends)], full.ranks[:n])

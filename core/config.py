@@ -1,0 +1,74 @@
+"""Validated engine configuration (pydantic).
+
+Four small configs, one per concern, bundled in `EngineConfig`. Every field
+names its allowed range; pydantic's error names the field that broke it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Where the weights come from and how they are held."""
+
+    model: str | None = Field(default=None, description="Local Hugging Face folder or .gguf file; None: embedded default")
+    dtype: DType = "auto"
+    max_model_len: int | None = Field(default=None, ge=1, description="None: the model's own limit")
+    seed: int = Field(default=0, ge=0, description="engine seed for requests without their own")
+    tokenizer: str | None = None
+
+
+class CacheConfig(_Strict):
+    """Paged KV cache: block size and memory budget."""
+
+    block_size: int = Field(default=16, ge=1, le=1024)
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    num_blocks_override: int | None = Field(default=None, ge=2)
+
+
+class SchedulerConfig(_Strict):
+    """Continuous batching limits."""
+
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
+
+
+class RunnerConfig(_Strict):
+    """How the backend executes the model."""
+
+    backend: str | None = Field(default=None, description="None: best available")
+    enforce_eager: bool = False
+    strict_no_recompile: bool = False
+    token_buckets: list[int] | None = None
+    request_buckets: list[int] | None = None
+
+
+class EngineConfig(_Strict):
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    runner: RunnerConfig = RunnerConfig()
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "EngineConfig":
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
+            if sched.max_num_batched_tokens < self.model.max_model_len:
+                raise ValueError(
+                    "scheduler.max_num_batched_tokens must be >= max_model_len "
+                    f"({self.model.max_model_len}) when chunked prefill is disabled"
+                )
+        return self

@@ -1,0 +1,1 @@
+"""Llama-family decoders written once over the paged-attention interface."""

@@ -1,0 +1,172 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM).
+
+One implementation over the paged-attention interface: the attention op is
+the backend's, called with the step's `AttentionMetadata` and the layer's KV
+cache. Projections are fused (qkv, gate_up) column-parallel layers followed by
+row-parallel ones (o_proj, down_proj), so tensor parallelism can later shard
+them without rewriting the model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
+from polyrunner.models.arch import DecoderArch
+from polyrunner.models.rotary import RotaryEmbedding
+
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        AttentionMetadata, LayerSpec], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary
+        self.attn_op = attn_op
+        self.layer_idx = layer_idx
+        self.spec = LayerSpec(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5, arch.sliding_windows[layer_idx])
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn_op(q, k, v, kv_cache, meta, self.spec)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, arch: DecoderArch) -> None:
+        super().__init__()
+        self.intermediate = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = DecoderAttention(arch, layer_idx, attn_op, rotary)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = DecoderMLP(arch)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids + positions + attention metadata + KV caches -> hidden states."""
+
+    def __init__(self, arch: DecoderArch, attn_op: AttentionOp, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_op, rotary) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, meta, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits `[N, vocab]` for the given hidden rows."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------
+    _STACKED = {  # HF name part -> (fused param part, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        a = self.arch
+        if fused == "qkv_proj":
+            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        return [a.intermediate_size, a.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every
+        parameter must be covered exactly once."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (self.lm_head is None and name.startswith("lm_head")):
+                continue
+            shard = None
+            for part, (fused, idx) in self._STACKED.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), idx
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
+            param = params[name]
+            if shard is None:
+                _copy(param.data, tensor, hf_name)
+            else:
+                sizes = self._shard_sizes(name.split(".")[-2])
+                start = sum(sizes[:shard])
+                _copy(param.data.narrow(0, start, sizes[shard]), tensor, hf_name)
+            loaded.add(f"{name}#{shard}")
+        expected = set()
+        for name in params:
+            fused = name.split(".")[-2]
+            n = len(self._shard_sizes(fused)) if fused in ("qkv_proj", "gate_up_proj") else None
+            expected |= {f"{name}#{i}" for i in range(n)} if n else {f"{name}#None"}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,55 @@
+"""Load a Llama-family model from a local Hugging Face folder (safetensors only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from polyrunner.models.arch import DecoderArch
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no config.json")
+    return json.loads(cfg.read_text())
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The checkpoint's shard files (sharded index or single file); no pickle files."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded)" if pickles else ""
+        raise FileNotFoundError(f"no .safetensors weights in {str(folder)!r}{hint}")
+    return files
+
+
+def iter_weights(folder: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
+               max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """Build `model_cls` on `device` in `dtype` and load the folder's weights."""
+    with torch.device(device):
+        model = model_cls(arch, attn_op, max_positions)
+    for param in model.parameters():  # buffers (rotary tables) stay float32, like Hugging Face
+        param.data = param.data.to(dtype)
+    model.load_weights(iter_weights(folder, dtype))
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,121 @@
+"""Turn per-step token updates into `RequestOutput`s: detokenization, stop
+strings, logprobs, and fan-in of `n > 1` sibling requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from polyrunner.request import Request
+
+
+@dataclass
+class _Completion:
+    request: Request
+    index: int
+    detok: "IncrementalDetokenizer | None"
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[str]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finished: set[str] = field(default_factory=set)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._completions: dict[str, _Completion] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._parent_of: dict[str, str] = {}
+
+    def add(self, parent_id: str, children: list[Request]) -> None:
+        first = children[0]
+        self._parents[parent_id] = _Parent(parent_id, first.prompt, first.prompt_token_ids,
+                                           [c.request_id for c in children])
+        for i, req in enumerate(children):
+            p = req.params
+            detok = None
+            if self.tokenizer is not None and p.detokenize:
+                from polyrunner.detokenizer import IncrementalDetokenizer
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                    stop=p.stop or (), include_stop_str_in_output=p.include_stop_str_in_output)
+            want_lp = p.logprobs is not None
+            self._completions[req.request_id] = _Completion(req, i, detok, [] if want_lp else None,
+                                                            0.0 if want_lp else None)
+            self._parent_of[req.request_id] = parent_id
+
+    def set_prompt_logprobs(self, req_id: str, entries: list[PositionLogprobs | None]) -> None:
+        self._parents[self._parent_of[req_id]].prompt_logprobs = entries
+
+    def update(self, req: Request, new_ids: list[int],
+               logprobs: tuple[list[int], list[float], int] | None) -> str | None:
+        """Record new tokens of one request; returns a stop string that matched."""
+        c = self._completions[req.request_id]
+        if c.logprobs is not None and logprobs is not None:
+            c.logprobs.append(self.make_logprobs(*logprobs))
+            c.cumulative_logprob += logprobs[1][0]
+        if c.detok is None:
+            return None
+        stop = c.detok.update(new_ids)
+        return stop
+
+    def make_logprobs(self, token_ids: list[int], logprobs: list[float], rank: int) -> PositionLogprobs:
+        """First entry is the sampled (or actual) token with its rank; the rest are top-k."""
+        from polyrunner.detokenizer import decode_token
+        entry: PositionLogprobs = {}
+        for j, (tid, lp) in enumerate(zip(token_ids, logprobs)):
+            if tid in entry:
+                continue
+            entry[tid] = Logprob(lp, rank if j == 0 else j,
+                                 decode_token(self.tokenizer, tid) if self.tokenizer else None)
+        return entry
+
+    def output(self, parent_id: str) -> RequestOutput:
+        """The output of a parent request so far; forgets it once every child finished."""
+        parent = self._parents[parent_id]
+        outs = []
+        for child_id in parent.children:
+            c = self._completions[child_id]
+            req = c.request
+            finished = req.status.finished
+            text = ""
+            if c.detok is not None:
+                if finished:
+                    c.detok.flush()
+                text = c.detok.text
+            outs.append(CompletionOutput(
+                index=c.index, text=text, token_ids=list(req.output_token_ids),
+                finish_reason=req.status.value if finished else None,
+                stop_reason=req.stop_reason, logprobs=c.logprobs,
+                cumulative_logprob=c.cumulative_logprob))
+        done = all(o.finished for o in outs)
+        first = self._completions[parent.children[0]].request
+        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                            parent.prompt_logprobs, done, first.num_cached_tokens)
+        if done:
+            self.drop(parent_id)
+        return out
+
+    def drop(self, parent_id: str) -> None:
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return
+        for child_id in parent.children:
+            self._completions.pop(child_id, None)
+            self._parent_of.pop(child_id, None)
+        self._parents.pop(parent.request_id, None)
+
+    def parent_id(self, req_id: str) -> str | None:
+        return self._parent_of.get(req_id)
+
+    def children(self, parent_id: str) -> list[str]:
+        p = self._parents.get(parent_id)
+        return list(p.children) if p else []

@@ -1,0 +1,101 @@
+"""The plugin manager: discovery, run-time registration and backend selection."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+
+import pluggy
+
+from polyrunner.backend import Availability, Backend
+from polyrunner.plugins import hookspecs
+
+ENTRY_POINT_GROUP = "polyrunner.backends"
+logger = logging.getLogger(__name__)
+
+_manager: pluggy.PluginManager | None = None
+# Entry points whose import failed: name -> reason (listed as unavailable).
+_broken: dict[str, str] = {}
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide manager, with entry-point plugins loaded once."""
+    global _manager
+    if _manager is None:
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        from polyrunner.models import registry as model_registry
+        pm.register(model_registry, name="polyrunner.models")
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+            except Exception as exc:  # a broken plugin must not break import
+                _broken[ep.name] = f"plugin failed to load: {type(exc).__name__}: {exc}"
+                logger.warning("polyrunner plugin %r failed to load: %s", ep.name, exc)
+        _manager = pm
+    return _manager
+
+
+def register(plugin: object, name: str | None = None) -> None:
+    """Register a plugin defined in user code (a module or object with hookimpls)."""
+    pm = get_plugin_manager()
+    if name is not None and pm.get_plugin(name) is not None:
+        pm.unregister(name=name)
+    pm.register(plugin, name=name)
+
+
+def unregister(name: str) -> None:
+    get_plugin_manager().unregister(name=name)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    cls: type[Backend] | None
+    availability: Availability
+    priority: int
+    graph_mode: str
+
+
+def _probe(cls: type[Backend]) -> Availability:
+    try:
+        return cls.probe()
+    except Exception as exc:  # the contract says never raise; enforce it
+        return Availability(False, f"probe raised {type(exc).__name__}: {exc}")
+
+
+def backend_classes() -> dict[str, type[Backend]]:
+    """All contributed Backend classes by name (later registrations win)."""
+    classes: dict[str, type[Backend]] = {}
+    for contributed in reversed(get_plugin_manager().hook.polyrunner_backends()):
+        for cls in contributed or []:
+            classes[cls.name] = cls
+    return classes
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every known backend with its probe result, highest priority first."""
+    infos = [BackendInfo(name, cls, _probe(cls), cls.priority, cls.capabilities.graph_mode)
+             for name, cls in backend_classes().items()]
+    infos += [BackendInfo(name, None, Availability(False, reason), -1, "-")
+              for name, reason in _broken.items() if name not in {i.name for i in infos}]
+    return sorted(infos, key=lambda i: (-i.priority, i.name))
+
+
+def select_backend(name: str | None = None) -> Backend:
+    """Instantiate a backend by name, or the highest-priority available one."""
+    infos = list_backends()
+    if name is not None:
+        by_name = {i.name: i for i in infos}
+        if name not in by_name:
+            raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(by_name))}")
+        info = by_name[name]
+        if not info.availability.available:
+            raise RuntimeError(f"backend {name!r} is unavailable: {info.availability.reason}")
+        return info.cls()
+    for info in infos:
+        if info.availability.available:
+            return info.cls()
+    raise RuntimeError("no backend is available: " + "; ".join(
+        f"{i.name}: {i.availability.reason}" for i in infos))

@@ -1,0 +1,303 @@
+"""The device-neutral model runner: persistent batch -> padded inputs ->
+backend execution -> sampling -> bookkeeping.
+
+Everything here is numpy on the host and plain torch on `backend.device`; the
+backend supplies padding, KV allocation, attention, graph execution and
+transfers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from polyrunner.attention.metadata import AttentionMetadata
+from polyrunner.backend import Backend, ModelInputs
+from polyrunner.config import EngineConfig
+from polyrunner.input_batch import InputBatch
+from polyrunner.input_prep import StepInputs, prepare_inputs
+from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.models.arch import DecoderArch
+from polyrunner.request import Request
+from polyrunner.sample import LogprobsLists, Sampler, SamplingState
+from polyrunner.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerRequestState:
+    """What the runner keeps per request across steps (and across preemption)."""
+
+    request: Request
+    generator: torch.Generator | None
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]]                       # req_id -> new token ids
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    num_tokens: int = 0
+
+
+def dummy_step(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
+    """A batch of `num_reqs` requests sharing `num_tokens`, writing only the null block."""
+    num_reqs = max(1, min(num_reqs, num_tokens))
+    counts = np.full(num_reqs, num_tokens // num_reqs, np.int64)
+    counts[: num_tokens % num_reqs] += 1
+    cu = np.cumsum(counts)
+    arange = np.arange(num_tokens) - np.repeat(cu - counts, counts)
+    qsl = np.zeros(num_reqs + 1, np.int32)
+    qsl[1:] = cu
+    return StepInputs(
+        num_tokens=num_tokens, num_reqs=num_reqs, num_decodes=int((counts == 1).sum()),
+        max_query_len=int(counts.max()), max_seq_len=int(counts.max()),
+        input_ids=np.zeros(num_tokens, np.int64), positions=arange.astype(np.int64),
+        slot_mapping=np.zeros(num_tokens, np.int64),
+        token_to_req=np.repeat(np.arange(num_reqs), counts).astype(np.int32),
+        query_start_loc=qsl, seq_lens=counts.astype(np.int32),
+        block_tables=np.zeros((num_reqs, max_blocks), np.int32),
+        logits_indices=(cu - 1).astype(np.int64), discard=np.zeros(num_reqs, bool))
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, backend: Backend, model: torch.nn.Module,
+                 arch: DecoderArch, max_model_len: int, dtype: torch.dtype) -> None:
+        self.config = config
+        self.backend = backend
+        self.model = model
+        self.arch = arch
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.buckets = backend.bucket_policy(config)
+        self.executor = backend.make_executor(model, config)
+        self.kv_spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.sampler = Sampler()
+        sched = config.scheduler
+        self.batch = InputBatch(sched.max_num_seqs, max_model_len, self.max_blocks_per_req,
+                                self.block_size, SamplingState(sched.max_num_seqs, arch.vocab_size, backend.device))
+        self.states: dict[str, RunnerRequestState] = {}
+
+    # ---- start-up ---------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        """Size the KV cache from the backend's budget, allocate it, prepare graphs."""
+        cache_cfg = self.config.cache
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        sched = self.config.scheduler
+
+        def profile() -> None:
+            self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec, 2)
+            self._run_dummy(sched.max_num_batched_tokens, sched.max_num_seqs)
+            self.kv_caches = []
+
+        if cache_cfg.num_blocks_override is not None:
+            num_blocks = cache_cfg.num_blocks_override
+        else:
+            budget = self.backend.kv_cache_budget(self.config, weights, profile)
+            num_blocks = self.kv_spec.num_blocks_for(budget, self.backend.kv_alignment_bytes)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget holds {num_blocks} blocks of {self.kv_spec.page_size_bytes * self.kv_spec.num_layers} "
+                "bytes; at least 2 are needed: raise kv_cache_memory_bytes")
+        self.num_blocks = num_blocks
+        self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec, num_blocks)
+        self.executor.prepare(self._run_dummy, self.buckets)
+        return num_blocks
+
+    def _run_dummy(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
+        step = dummy_step(num_tokens, num_reqs, self.max_blocks_per_req)
+        T_pad, R_pad = self.buckets.pad(step.num_tokens, step.num_reqs)
+        step = _pad_dummy(step, T_pad, R_pad) if (T_pad, R_pad) != (num_tokens, step.num_reqs) else step
+        inputs = self._to_device(step)
+        with torch.inference_mode():
+            hidden = self.executor.run(inputs)
+        return hidden
+
+    # ---- one step -----------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> StepResult:
+        self._update_states(so)
+        batch = self.batch
+        R = batch.num_reqs
+        if R == 0:
+            return StepResult({})
+        num_scheduled = np.zeros(batch.max_num_reqs, np.int32)
+        rows = [batch.req_id_to_index[s.request.request_id] for s in so.scheduled]
+        num_scheduled[rows] = [s.num_tokens for s in so.scheduled]
+        batch.reorder_decode_first(num_scheduled)
+        windows = self._windows(num_scheduled[:R])
+        if len(windows) > 1:
+            return self._execute_split(windows, num_scheduled)
+        T = int(num_scheduled[:R].sum())
+        T_pad, R_pad = self.buckets.pad(T, R)
+        step = prepare_inputs(batch, num_scheduled, T_pad, R_pad)
+        inputs = self._to_device(step)
+        with torch.inference_mode():
+            hidden = self.executor.run(inputs)
+            out = self.executor.sample(hidden, inputs, batch, slice(0, R), step.discard, self.sampler)
+        sampled = self.backend.to_host_async(out.sampled_token_ids).result().numpy()
+        return self._bookkeeping(step, num_scheduled, sampled, out)
+
+    # ---- split steps (static-shape backends) ------------------------------------
+    def _windows(self, counts: np.ndarray) -> list[tuple[int, int]]:
+        """Consecutive row windows that each fit the largest token and request bucket.
+
+        Only a static-shape backend splits (its compiled shapes end at the largest
+        bucket, which may sit below max_num_seqs, e.g. a kernel's request limit);
+        other backends get the whole batch as one window.
+        """
+        R = len(counts)
+        tb, rb = self.buckets.token_buckets, self.buckets.request_buckets
+        if not self.backend.capabilities.static_shapes or not (tb or rb):
+            return [(0, R)]
+        max_t = tb[-1] if tb else None
+        max_r = rb[-1] if rb else None
+        if (max_r is None or R <= max_r) and (max_t is None or int(counts.sum()) <= max_t):
+            return [(0, R)]
+        windows, start, tokens = [], 0, 0
+        for row, n in enumerate(counts.tolist()):
+            if max_t is not None and n > max_t:
+                raise ValueError(f"a request was scheduled {n} tokens, more than the largest "
+                                 f"token bucket ({max_t})")
+            if row > start and ((max_r is not None and row - start >= max_r)
+                                or (max_t is not None and tokens + n > max_t)):
+                windows.append((start, row))
+                start, tokens = row, 0
+            tokens += n
+        windows.append((start, R))
+        return windows
+
+    def _execute_split(self, windows: list[tuple[int, int]], num_scheduled: np.ndarray) -> StepResult:
+        """Run one step as several padded sub-batches. Each window's inputs and
+        sampling rows come from its own rows of the persistent batch (the TPU
+        reference runner read rows 0..n-1 for every sub-batch)."""
+        batch = self.batch
+        sampled, discard, lists, num_tokens = [], [], [], 0
+        for start, end in windows:
+            counts = num_scheduled[start:end]
+            T_pad, R_pad = self.buckets.pad(int(counts.sum()), end - start)
+            step = prepare_inputs(_RowWindow(batch, start, end), counts, T_pad, R_pad)
+            inputs = self._to_device(step)
+            with torch.inference_mode():
+                hidden = self.executor.run(inputs)
+                out = self.executor.sample(hidden, inputs, batch, slice(start, end), step.discard,
+                                           self.sampler)
+            tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()
+            sampled.append(tokens[: end - start])
+            discard.append(step.discard)
+            lists.append(None if out.logprobs is None else out.logprobs.tolists())
+            num_tokens += step.num_tokens
+        merged = None
+        if any(lp is not None for lp in lists):
+            merged = LogprobsLists([], [], [])
+            for (start, end), lp in zip(windows, lists):
+                n = end - start
+                merged.token_ids += lp.token_ids[:n] if lp else [[] for _ in range(n)]
+                merged.logprobs += lp.logprobs[:n] if lp else [[] for _ in range(n)]
+                merged.ranks += lp.ranks[:n] if lp else [0] * n
+        step = SimpleNamespace(num_reqs=windows[-1][1], discard=np.concatenate(discard),
+                               num_tokens=num_tokens)
+        out = SimpleNamespace(logprobs=None if merged is None else SimpleNamespace(tolists=lambda: merged))
+        return self._bookkeeping(step, num_scheduled, np.concatenate(sampled), out)
+
+    def _bookkeeping(self, step: StepInputs, num_scheduled: np.ndarray, sampled: np.ndarray, out) -> StepResult:
+        batch, R = self.batch, step.num_reqs
+        batch.num_computed_tokens[:R] += num_scheduled[:R]
+        keep = np.flatnonzero(~step.discard)
+        batch.append_tokens(keep, sampled[keep])
+        ids = [batch.req_ids[r] for r in keep]
+        result = StepResult({rid: [int(t)] for rid, t in zip(ids, sampled[keep].tolist())}, num_tokens=step.num_tokens)
+        if out.logprobs is not None:
+            lp = out.logprobs.tolists()
+            for rid, r in zip(ids, keep.tolist()):
+                result.logprobs[rid] = (lp[0][r], lp[1][r], lp[2][r])
+        return result
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for rid in so.finished_req_ids:
+            self.states.pop(rid, None)
+            if rid in batch.req_id_to_index:
+                batch.remove(rid)
+        scheduled = {s.request.request_id for s in so.scheduled}
+        for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove(rid)  # preempted or not scheduled this step: state kept
+        for s in so.scheduled:
+            req = s.request
+            rid = req.request_id
+            state = self.states.get(rid)
+            if state is None:
+                seed = req.params.seed
+                gen = self.backend.make_generator(seed) if seed is not None else None
+                state = self.states[rid] = RunnerRequestState(req, gen)
+            if s.is_new:
+                state.block_ids = list(s.new_block_ids)
+            else:
+                state.block_ids.extend(s.new_block_ids)
+            row = batch.req_id_to_index.get(rid)
+            if row is None:
+                batch.add(rid, req.prompt_token_ids, req.output_token_ids, req.num_computed_tokens,
+                          state.block_ids, dict(params=req.params, generator=state.generator,
+                                                eos_token_ids=req.eos_token_ids))
+            else:
+                batch.block_table.append_row(row, s.new_block_ids)
+                batch.num_computed_tokens[row] = req.num_computed_tokens
+        batch.condense()
+
+    def _to_device(self, step: StepInputs) -> ModelInputs:
+        dev = self.backend.to_device
+        meta = AttentionMetadata(
+            num_actual_tokens=step.num_tokens, num_reqs=step.num_reqs, num_decodes=step.num_decodes,
+            max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
+            query_start_loc=dev(step.query_start_loc), seq_lens=dev(step.seq_lens),
+            block_tables=dev(step.block_tables), slot_mapping=dev(step.slot_mapping),
+            positions=dev(step.positions), token_to_req=dev(step.token_to_req),
+            query_start_loc_np=step.query_start_loc, seq_lens_np=step.seq_lens)
+        for key, array in self.backend.host_attention_extras(step).items():
+            meta.extras[key] = dev(array)
+        self.backend.build_attention_extras(meta)
+        return ModelInputs(dev(step.input_ids), meta.positions, meta, self.kv_caches,
+                           dev(step.logits_indices))
+
+
+class _RowWindow:
+    """Rows [start, end) of the persistent batch, seen by `prepare_inputs` as a
+    batch of their own: every array is a view of exactly those rows."""
+
+    def __init__(self, batch: InputBatch, start: int, end: int) -> None:
+        self.num_reqs = end - start
+        self.token_ids = batch.token_ids[start:end]
+        self.num_tokens = batch.num_tokens[start:end]
+        self.num_prompt_tokens = batch.num_prompt_tokens[start:end]
+        self.num_computed_tokens = batch.num_computed_tokens[start:end]
+        self.block_table = copy.copy(batch.block_table)
+        self.block_table.table = batch.block_table.table[start:end]
+        self.block_table.num_blocks = batch.block_table.num_blocks[start:end]
+
+
+def _pad_dummy(step: StepInputs, T_pad: int, R_pad: int) -> StepInputs:
+    """Pad a dummy step to a bucket with the same tail invariants as real steps."""
+    T, R = step.num_tokens, step.num_reqs
+
+    def pad(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+        out = np.full((n,) + a.shape[1:], fill, a.dtype)
+        out[: len(a)] = a
+        return out
+
+    step.input_ids = pad(step.input_ids, T_pad, 0)
+    step.positions = pad(step.positions, T_pad, 0)
+    step.slot_mapping = pad(step.slot_mapping, T_pad, 0)
+    step.token_to_req = pad(step.token_to_req, T_pad, 0)
+    step.query_start_loc = pad(step.query_start_loc, R_pad + 1, T)
+    step.seq_lens = pad(step.seq_lens, R_pad, 0)
+    step.block_tables = pad(step.block_tables, R_pad, 0)
+    step.logits_indices = pad(step.logits_indices, R_pad, 0)
+    return step

@@ -1,0 +1,60 @@
+"""What the sampler needs for one step: device tensors, None when unused.
+
+Built by `SamplingState.make_metadata`; every tensor field is None when no row
+of the step uses the feature, so the sampler skips that work entirely.
+Row-indexed fields have `num_reqs` rows; sparse features (bad words, logit
+bias, min_tokens) are flat (row, token) pairs; penalties cover only the rows
+that have one (`penalty_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    num_reqs: int
+    all_greedy: bool
+    all_random: bool
+
+    # ---- sampling (random rows) -------------------------------------------
+    temperature: torch.Tensor | None = None  # [R] f32; greedy rows hold 1.0; None if all greedy
+    is_greedy: torch.Tensor | None = None    # [R] bool; None if all greedy or all random
+    top_k: torch.Tensor | None = None        # [R] int64; vocab_size = off
+    top_p: torch.Tensor | None = None        # [R] f32; 1.0 = off
+    min_p: torch.Tensor | None = None        # [R] f32; 0.0 = off
+    # rows (random, not discarded) that draw from their own generator
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+
+    # ---- logprobs ---------------------------------------------------------
+    max_num_logprobs: int | None = None      # k of this step (full vocab mapped to vocab_size)
+    num_logprobs: np.ndarray | None = None   # [R] int32 host, per-row k (-1: none)
+
+    # ---- logits processors ------------------------------------------------
+    allowed_token_ids_mask: torch.Tensor | None = None  # [R, V] bool, True = masked
+    bad_words_rows: torch.Tensor | None = None          # [P] int64 } (row, token) pairs
+    bad_words_ids: torch.Tensor | None = None           # [P] int64 } to set to -inf
+    logit_bias_rows: torch.Tensor | None = None         # [B] int64
+    logit_bias_ids: torch.Tensor | None = None          # [B] int64
+    logit_bias_values: torch.Tensor | None = None       # [B] f32
+    min_tokens_rows: torch.Tensor | None = None         # [M] int64 } stop/EOS ids masked
+    min_tokens_ids: torch.Tensor | None = None          # [M] int64 } until min_tokens reached
+
+    # ---- penalties (only rows that have one) --------------------------------
+    penalty_rows: torch.Tensor | None = None            # [Rp] int64
+    presence_penalties: torch.Tensor | None = None      # [Rp] f32
+    frequency_penalties: torch.Tensor | None = None     # [Rp] f32
+    repetition_penalties: torch.Tensor | None = None    # [Rp] f32
+    prompt_token_mask: torch.Tensor | None = None       # [Rp, V] bool: token in the prompt
+    output_token_counts: torch.Tensor | None = None     # [Rp, V] int32: count in the output
+
+    # ---- host bookkeeping -------------------------------------------------
+    discard: np.ndarray | None = None  # [R] bool: partial prefills, sample thrown away
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.penalty_rows is None

@@ -1,0 +1,353 @@
+"""Persistent per-row sampling state of the running batch.
+
+One row per running request; the persistent InputBatch owns the row layout
+and mirrors every change here (`add_row`, `remove_row`, `move_row`,
+`swap_rows`). Per-row scalars live in numpy arrays on the host; each step
+`make_metadata` uploads only what that step needs:
+
+- scalars (temperature, top-k/p, min-p, penalties, logit-bias pairs) are
+  uploaded when the rows changed since the last step, else reused;
+- penalties' prompt presence and output counts are built on the device from
+  the batch's token ids (one upload of the penalised rows' tokens) and only
+  when some row has a penalty;
+- min_tokens and bad-word masks are (row, token) pairs computed on the host
+  from the current output lengths / tails;
+- allowed_token_ids lives in a lazily allocated device mask [max_reqs, V]
+  whose rows move with their requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrunner.sample.metadata import SamplingMetadata
+from polyrunner.sampling_params import SamplingParams
+
+# Per-row host scalars: (attribute, dtype, value of an empty row).
+# top_k stores the vocab size for "off" (filled in __init__).
+_SCALARS: tuple[tuple[str, Any, Any], ...] = (
+    ("occupied", np.bool_, False),
+    ("greedy", np.bool_, False),
+    ("temperature", np.float32, 1.0),   # greedy rows keep 1.0 (no divide by zero)
+    ("top_k", np.int64, None),          # vocab_size = off
+    ("top_p", np.float32, 1.0),
+    ("min_p", np.float32, 0.0),
+    ("presence", np.float32, 0.0),
+    ("frequency", np.float32, 0.0),
+    ("repetition", np.float32, 1.0),
+    ("has_penalty", np.bool_, False),
+    ("min_tokens", np.int64, 0),
+    ("num_logprobs", np.int64, -1),     # -1: none; full vocab stored as vocab_size
+    ("has_allowed", np.bool_, False),
+    ("has_bias", np.bool_, False),
+    ("has_bad_words", np.bool_, False),
+)
+# Per-row Python objects.
+_OBJECTS = ("params", "stop_ids", "bias", "bad_words")
+
+
+@dataclass
+class _Static:
+    """The part of the metadata that depends only on the rows' params."""
+
+    kwargs: dict[str, Any]
+    penalty_rows: np.ndarray | None = None      # batch rows with a penalty
+    min_tok_pair_rows: np.ndarray | None = None  # (batch row, stop id) candidates for min_tokens
+    min_tok_pair_ids: np.ndarray | None = None
+    bad_word_rows: list[int] = field(default_factory=list)
+
+
+class SamplingState:
+    """Sampling parameters of the running requests, one row each."""
+
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._defaults: dict[str, Any] = {}
+        for name, dtype, default in _SCALARS:
+            default = vocab_size if default is None else default
+            self._defaults[name] = default
+            setattr(self, name, np.full(max_num_reqs, default, dtype=dtype))
+        for name in _OBJECTS:
+            setattr(self, name, [None] * max_num_reqs)
+        self.generators: dict[int, torch.Generator] = {}
+        self._allowed_mask: torch.Tensor | None = None  # [max_reqs, V] bool, True = masked
+        self._version = 0
+        self._static_key: tuple[int, int] | None = None
+        self._static: _Static | None = None
+
+    # ---- row management (called by the InputBatch) ----------------------
+    def add_row(self, row: int, params: SamplingParams, generator: torch.Generator | None,
+                bad_words_ids: list[list[int]] | None = None, *,
+                eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """Put a request into `row` (the row's previous content is dropped).
+
+        generator: the request's own generator (for seeded requests), created
+          on this device by the backend; kept across preemption by the caller.
+          A seeded random request without one gets a fresh generator here.
+        bad_words_ids: `params.bad_words_token_ids(tokenizer)`.
+        eos_token_ids: the model's EOS ids; masked, with stop_token_ids, until
+          min_tokens output tokens exist (even with ignore_eos).
+        """
+        self._check_row(row)
+        vocab = self.vocab_size
+        params.validate_for_vocab(vocab)
+        for seq in bad_words_ids or []:
+            if not seq or not all(0 <= t < vocab for t in seq):
+                raise ValueError(f"bad_words_ids must be non-empty sequences of ids in [0, {vocab}) (got {seq!r})")
+        stop_ids = np.array(sorted(set(params.stop_token_ids) | set(eos_token_ids)), dtype=np.int64)
+        if stop_ids.size and not (0 <= stop_ids.min() and stop_ids.max() < vocab):
+            raise ValueError(f"eos_token_ids must be in [0, {vocab}) (got {sorted(eos_token_ids)!r})")
+
+        self._reset(row)
+        greedy = params.is_greedy
+        self.occupied[row] = True
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else params.temperature
+        self.top_k[row] = params.top_k if 0 < params.top_k < vocab else vocab
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.has_penalty[row] = params.has_penalties
+        self.min_tokens[row] = params.min_tokens
+        if params.min_tokens > 0 and stop_ids.size:
+            self.stop_ids[row] = stop_ids
+        if params.logprobs is not None:
+            self.num_logprobs[row] = vocab if params.logprobs < 0 else min(params.logprobs, vocab)
+        if params.logit_bias:
+            ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
+            vals = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+            self.bias[row] = (ids, vals)
+            self.has_bias[row] = True
+        if bad_words_ids:
+            self.bad_words[row] = [np.asarray(seq, dtype=np.int64) for seq in bad_words_ids]
+            self.has_bad_words[row] = True
+        if params.allowed_token_ids is not None:
+            mask = self._allowed()
+            mask[row] = True
+            ids = torch.as_tensor(params.allowed_token_ids, dtype=torch.long).to(self.device)
+            mask[row, ids] = False
+            self.has_allowed[row] = True
+        self.params[row] = params
+        if generator is None and params.seed is not None and not greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        if generator is not None:
+            self.generators[row] = generator
+        self._version += 1
+
+    def remove_row(self, row: int) -> None:
+        self._check_row(row)
+        self._reset(row)
+        self._version += 1
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move src's request into dst (dst's content is dropped); src becomes empty."""
+        self._check_row(src)
+        self._check_row(dst)
+        if src == dst:
+            return
+        self._reset(dst)
+        for name, _, _ in _SCALARS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        for name in _OBJECTS:
+            lst = getattr(self, name)
+            lst[dst] = lst[src]
+        if src in self.generators:
+            self.generators[dst] = self.generators[src]
+        if self.has_allowed[src]:
+            self._allowed_mask[dst] = self._allowed_mask[src]
+        self._reset(src)
+        self._version += 1
+
+    def swap_rows(self, i: int, j: int) -> None:
+        self._check_row(i)
+        self._check_row(j)
+        if i == j:
+            return
+        for name, _, _ in _SCALARS:
+            arr = getattr(self, name)
+            arr[[i, j]] = arr[[j, i]]
+        for name in _OBJECTS:
+            lst = getattr(self, name)
+            lst[i], lst[j] = lst[j], lst[i]
+        gi, gj = self.generators.pop(i, None), self.generators.pop(j, None)
+        if gj is not None:
+            self.generators[i] = gj
+        if gi is not None:
+            self.generators[j] = gi
+        if self.has_allowed[i] or self.has_allowed[j]:
+            mask = self._allowed_mask
+            mask[[i, j]] = mask[[j, i]]
+        self._version += 1
+
+    def _reset(self, row: int) -> None:
+        if self.has_allowed[row]:
+            self._allowed_mask[row] = False
+        for name, _, _ in _SCALARS:
+            getattr(self, name)[row] = self._defaults[name]
+        for name in _OBJECTS:
+            getattr(self, name)[row] = None
+        self.generators.pop(row, None)
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_num_reqs:
+            raise IndexError(f"row {row} out of range [0, {self.max_num_reqs})")
+
+    def _allowed(self) -> torch.Tensor:
+        if self._allowed_mask is None:
+            self._allowed_mask = torch.zeros(self.max_num_reqs, self.vocab_size,
+                                             dtype=torch.bool, device=self.device)
+        return self._allowed_mask
+
+    # ---- per step -------------------------------------------------------
+    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor that owns its memory (host rows keep changing)."""
+        t = torch.from_numpy(np.array(arr, copy=True))
+        if self.device.type == "cpu":
+            return t
+        return t.to(self.device, non_blocking=True)
+
+    def make_metadata(self, num_reqs: int, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
+                      num_tokens: np.ndarray, discard: np.ndarray | None = None, *,
+                      start: int = 0) -> SamplingMetadata:
+        """Metadata for sampling rows [start, num_reqs) this step (row i of the
+        metadata and of the logits is batch row start + i; start > 0 is for
+        backends that run a step as several row windows).
+
+        token_ids: [max_reqs, max_model_len] int32, row r = prompt then output
+          tokens, valid up to num_tokens[r] (the tokens before this step's sample).
+        num_prompt_tokens, num_tokens: int arrays indexed by batch row.
+        discard: bool [num_reqs - start], rows whose sample is thrown away
+          (partial prefills); they do not draw from their generator. None = none.
+        """
+        if not 0 <= start <= num_reqs <= self.max_num_reqs:
+            raise ValueError(f"rows [{start}, {num_reqs}) out of range [0, {self.max_num_reqs}]")
+        n = num_reqs - start
+        key = (self._version, start, num_reqs)
+        if self._static_key != key:
+            self._static, self._static_key = self._build_static(start, num_reqs), key
+        static = self._static
+        if discard is None:
+            discard = np.zeros(n, dtype=bool)
+        else:
+            discard = np.asarray(discard, dtype=bool)[:n].copy()
+
+        gens: dict[int, torch.Generator] = {}
+        if self.generators and not static.kwargs["all_greedy"]:
+            gens = {r - start: g for r, g in self.generators.items()
+                    if start <= r < num_reqs and not self.greedy[r] and not discard[r - start]}
+        meta = SamplingMetadata(num_reqs=n, generators=gens, discard=discard, **static.kwargs)
+
+        if static.penalty_rows is not None:
+            self._penalty_counts(meta, static.penalty_rows, token_ids, num_prompt_tokens, num_tokens)
+        if static.min_tok_pair_rows is not None:
+            rows = static.min_tok_pair_rows  # absolute rows
+            num_out = np.asarray(num_tokens, dtype=np.int64)[rows] - num_prompt_tokens[rows]
+            sel = num_out < self.min_tokens[rows]
+            if sel.any():
+                meta.min_tokens_rows = self._upload(rows[sel] - start)
+                meta.min_tokens_ids = self._upload(static.min_tok_pair_ids[sel])
+        if static.bad_word_rows:
+            self._bad_word_pairs(meta, static.bad_word_rows, start, token_ids, num_prompt_tokens,
+                                 num_tokens)
+        return meta
+
+    def _build_static(self, start: int, stop: int) -> _Static:
+        vocab = self.vocab_size
+        rows = slice(start, stop)
+        greedy = self.greedy[rows]
+        all_greedy = bool(greedy.all()) if stop > start else True
+        all_random = not bool(greedy.any())
+        random_rows = ~greedy
+        kw: dict[str, Any] = dict(all_greedy=all_greedy, all_random=all_random)
+        if not all_greedy:
+            kw["temperature"] = self._upload(self.temperature[rows])
+            if not all_random:
+                kw["is_greedy"] = self._upload(greedy)
+            if (random_rows & (self.top_k[rows] < vocab)).any():
+                kw["top_k"] = self._upload(self.top_k[rows])
+            if (random_rows & (self.top_p[rows] < 1.0)).any():
+                kw["top_p"] = self._upload(self.top_p[rows])
+            if (random_rows & (self.min_p[rows] > 0.0)).any():
+                kw["min_p"] = self._upload(self.min_p[rows])
+        num_logprobs = self.num_logprobs[rows].copy()
+        kw["num_logprobs"] = num_logprobs
+        if (num_logprobs >= 0).any():
+            kw["max_num_logprobs"] = int(num_logprobs.max())
+        if self.has_allowed[rows].any():
+            kw["allowed_token_ids_mask"] = self._allowed_mask[rows]
+        bias_rows = start + np.flatnonzero(self.has_bias[rows])
+        if bias_rows.size:
+            pairs = [self.bias[r] for r in bias_rows]
+            kw["logit_bias_rows"] = self._upload(np.repeat(bias_rows - start, [len(p[0]) for p in pairs]))
+            kw["logit_bias_ids"] = self._upload(np.concatenate([p[0] for p in pairs]))
+            kw["logit_bias_values"] = self._upload(np.concatenate([p[1] for p in pairs]))
+        static = _Static(kw)
+        pen_rows = start + np.flatnonzero(self.has_penalty[rows])
+        if pen_rows.size:
+            static.penalty_rows = pen_rows
+            kw["penalty_rows"] = self._upload(pen_rows - start)
+            kw["presence_penalties"] = self._upload(self.presence[pen_rows])
+            kw["frequency_penalties"] = self._upload(self.frequency[pen_rows])
+            kw["repetition_penalties"] = self._upload(self.repetition[pen_rows])
+        mt_rows = [r for r in start + np.flatnonzero(self.min_tokens[rows] > 0)
+                   if self.stop_ids[r] is not None]
+        if mt_rows:
+            static.min_tok_pair_rows = np.repeat(np.array(mt_rows, dtype=np.int64),
+                                                 [len(self.stop_ids[r]) for r in mt_rows])
+            static.min_tok_pair_ids = np.concatenate([self.stop_ids[r] for r in mt_rows])
+        static.bad_word_rows = [int(r) for r in start + np.flatnonzero(self.has_bad_words[rows])]
+        return static
+
+    def _penalty_counts(self, meta: SamplingMetadata, rows: np.ndarray, token_ids: np.ndarray,
+                        num_prompt_tokens: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Prompt presence and output counts of the penalised rows, on the device."""
+        vocab = self.vocab_size
+        n_prompt = np.asarray(num_prompt_tokens, dtype=np.int64)[rows]
+        n_tok = np.asarray(num_tokens, dtype=np.int64)[rows]
+        length = max(int(n_tok.max()), 1)
+        ids = self._upload(token_ids[rows, :length]).long()   # [Rp, L]
+        n_prompt_t = self._upload(n_prompt).unsqueeze(1)
+        n_tok_t = self._upload(n_tok).unsqueeze(1)
+        pos = torch.arange(length, device=ids.device).unsqueeze(0)
+        valid = (ids >= 0) & (ids < vocab)   # async placeholders (-1) count for nothing
+        in_prompt = valid & (pos < n_prompt_t)
+        in_output = valid & (pos >= n_prompt_t) & (pos < n_tok_t)
+        sink = torch.full_like(ids, vocab)   # column V collects everything that does not count
+        prompt_mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=ids.device)
+        prompt_mask.scatter_(1, torch.where(in_prompt, ids, sink), True)
+        counts = torch.zeros(len(rows), vocab + 1, dtype=torch.int32, device=ids.device)
+        counts.scatter_add_(1, torch.where(in_output, ids, sink),
+                            torch.ones(ids.shape, dtype=torch.int32, device=ids.device))
+        meta.prompt_token_mask = prompt_mask[:, :vocab]
+        meta.output_token_counts = counts[:, :vocab]
+
+    def _bad_word_pairs(self, meta: SamplingMetadata, rows: list[int], start: int,
+                        token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
+                        num_tokens: np.ndarray) -> None:
+        """(row, token) pairs blocked by bad words: a word's last token is blocked
+        when its other tokens equal the tail of the generated output."""
+        pair_rows: list[int] = []
+        pair_ids: list[int] = []
+        for r in rows:
+            n_tok = int(num_tokens[r])
+            n_out = n_tok - int(num_prompt_tokens[r])
+            for word in self.bad_words[r]:
+                prefix = len(word) - 1
+                if prefix > n_out:
+                    continue
+                if prefix == 0 or np.array_equal(token_ids[r, n_tok - prefix:n_tok], word[:-1]):
+                    pair_rows.append(r - start)
+                    pair_ids.append(int(word[-1]))
+        if pair_rows:
+            meta.bad_words_rows = self._upload(np.array(pair_rows, dtype=np.int64))
+            meta.bad_words_ids = self._upload(np.array(pair_ids, dtype=np.int64))

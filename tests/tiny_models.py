@@ -1,0 +1,42 @@
+"""Tiny random Hugging Face models saved to disk, for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(kind: str):
+    import transformers as tf
+    if kind == "llama":
+        return tf.LlamaConfig(**COMMON, tie_word_embeddings=False,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "llama_tied":
+        return tf.LlamaConfig(**COMMON, tie_word_embeddings=True)
+    if kind == "mistral":
+        return tf.MistralConfig(**COMMON, sliding_window=48, tie_word_embeddings=False)
+    if kind == "qwen2":
+        return tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
+    if kind == "qwen3":
+        return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(kind)
+
+
+def build_tiny_model(kind: str, folder: Path, seed: int = 0):
+    """Save a random model of `kind` (float32) to `folder`; returns the HF model."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(kind), torch_dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights make logits decisive, so greedy ties are rare
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
