@@ -87,7 +87,10 @@ class LLMEngine:
             if params.n > 1:
                 child_params = params.model_copy(update={"n": 1, "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, list(ids), child_params, max_tokens, self._eos, text))
+            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text)
+            if params.bad_words:
+                child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
+            children.append(child)
         self.outputs.add(request_id, children)
         for child in children:
             self.scheduler.add_request(child)
@@ -115,6 +118,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"so the prompt may have at most {self.max_model_len - 1}")
         params.validate_for_vocab(vocab)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias instead)")
         missing = params.features() - self.backend.capabilities.sampling
         if missing:
             raise ValueError(f"backend {self.backend.name!r} does not support sampling features "
@@ -144,6 +149,8 @@ class LLMEngine:
         result = self.runner.execute(so)
         updated = self.scheduler.update_from_output(so, result.sampled)
         touched: dict[str, None] = {}
+        for rid, rows in result.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(rid, rows)
         for req in updated:
             stop = self.outputs.update(req, result.sampled[req.request_id], result.logprobs.get(req.request_id))
             if stop is not None:  # a stop string wins over length/EOS in the same step

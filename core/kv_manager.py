@@ -27,8 +27,8 @@ class KVCacheManager:
         """For a request with nothing computed: reuse cached full blocks of its
         tokens (leaving at least one token to compute). Returns tokens hit."""
         assert req.num_computed_tokens == 0 and req.request_id not in self.blocks
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs need every prompt position computed
         tokens = req.token_ids()
         keys = chain_keys(tokens, self.block_size, num_blocks=(len(tokens) - 1) // self.block_size)
         hits = self.pool.lookup(keys)

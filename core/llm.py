@@ -50,7 +50,7 @@ class LLM:
         A single invalid prompt raises ValueError. In a list, an invalid prompt
         gets an output with `error` set (finish_reason "error") and the others run.
         """
-        single = isinstance(prompts, (str, dict))
+        single = not isinstance(prompts, (list, tuple))
         prompt_list = [prompts] if single else list(prompts)
         params = _broadcast(sampling_params, len(prompt_list))
         outputs: dict[str, RequestOutput] = {}
@@ -78,7 +78,7 @@ class LLM:
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield partial outputs (cumulative text and tokens) as tokens arrive."""
-        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in
                zip(prompt_list, _broadcast(sampling_params, len(prompt_list)))]
         try:

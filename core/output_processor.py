@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polyrunner.detokenizer import IncrementalDetokenizer, decode_token
 from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from polyrunner.request import Request
 
@@ -13,7 +14,7 @@ from polyrunner.request import Request
 class _Completion:
     request: Request
     index: int
-    detok: "IncrementalDetokenizer | None"
+    detok: IncrementalDetokenizer | None
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
 
@@ -43,7 +44,6 @@ class OutputProcessor:
             p = req.params
             detok = None
             if self.tokenizer is not None and p.detokenize:
-                from polyrunner.detokenizer import IncrementalDetokenizer
                 detok = IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
                     stop=p.stop or (), include_stop_str_in_output=p.include_stop_str_in_output)
@@ -52,8 +52,14 @@ class OutputProcessor:
                                                             0.0 if want_lp else None)
             self._parent_of[req.request_id] = parent_id
 
-    def set_prompt_logprobs(self, req_id: str, entries: list[PositionLogprobs | None]) -> None:
-        self._parents[self._parent_of[req_id]].prompt_logprobs = entries
+    def add_prompt_logprobs(self, req_id: str, rows: list[tuple[list[int], list[float], int]]) -> None:
+        """Append a chunk of prompt logprobs (the first prompt position has none)."""
+        parent = self._parents[self._parent_of[req_id]]
+        if req_id != parent.children[0]:
+            return  # siblings share the prompt
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None]
+        parent.prompt_logprobs.extend(self.make_logprobs(*row) for row in rows)
 
     def update(self, req: Request, new_ids: list[int],
                logprobs: tuple[list[int], list[float], int] | None) -> str | None:
@@ -69,7 +75,6 @@ class OutputProcessor:
 
     def make_logprobs(self, token_ids: list[int], logprobs: list[float], rank: int) -> PositionLogprobs:
         """First entry is the sampled (or actual) token with its rank; the rest are top-k."""
-        from polyrunner.detokenizer import decode_token
         entry: PositionLogprobs = {}
         for j, (tid, lp) in enumerate(zip(token_ids, logprobs)):
             if tid in entry:

@@ -43,6 +43,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    bad_words_token_ids: list[list[int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -24,7 +24,7 @@ from polyrunner.input_prep import StepInputs, prepare_inputs
 from polyrunner.kv_spec import KVCacheSpec
 from polyrunner.models.arch import DecoderArch
 from polyrunner.request import Request
-from polyrunner.sample import LogprobsLists, Sampler, SamplingState
+from polyrunner.sample import LogprobsLists, Sampler, SamplingState, compute_prompt_logprobs
 from polyrunner.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,12 +37,17 @@ class RunnerRequestState:
     request: Request
     generator: torch.Generator | None
     block_ids: list[int] = field(default_factory=list)
+    prompt_logprobs_done: int = 0   # prompt positions whose logprobs were returned
+
+
+LogprobRow = tuple[list[int], list[float], int]   # token ids, logprobs, rank of the first
 
 
 @dataclass
 class StepResult:
     sampled: dict[str, list[int]]                       # req_id -> new token ids
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobRow] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # this step's chunk
     num_tokens: int = 0
 
 
@@ -86,6 +91,7 @@ class ModelRunner:
         self.batch = InputBatch(sched.max_num_seqs, max_model_len, self.max_blocks_per_req,
                                 self.block_size, SamplingState(sched.max_num_seqs, arch.vocab_size, backend.device))
         self.states: dict[str, RunnerRequestState] = {}
+        self.prompt_logprob_reqs: set[str] = set()
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -114,9 +120,12 @@ class ModelRunner:
         return num_blocks
 
     def _run_dummy(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
-        step = dummy_step(num_tokens, num_reqs, self.max_blocks_per_req)
-        T_pad, R_pad = self.buckets.pad(step.num_tokens, step.num_reqs)
-        step = _pad_dummy(step, T_pad, R_pad) if (T_pad, R_pad) != (num_tokens, step.num_reqs) else step
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        # A request holds at most max_model_len tokens; the rest of the shape is padding.
+        step = dummy_step(min(num_tokens, num_reqs * self.max_model_len), num_reqs, self.max_blocks_per_req)
+        T_pad, R_pad = self.buckets.pad(num_tokens, num_reqs)
+        if (T_pad, R_pad) != (step.num_tokens, step.num_reqs):
+            step = _pad_dummy(step, T_pad, R_pad)
         inputs = self._to_device(step)
         with torch.inference_mode():
             hidden = self.executor.run(inputs)
@@ -143,8 +152,35 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.executor.run(inputs)
             out = self.executor.sample(hidden, inputs, batch, slice(0, R), step.discard, self.sampler)
+            prompt_lps = self._prompt_logprobs(hidden, step, num_scheduled) if self.prompt_logprob_reqs else {}
         sampled = self.backend.to_host_async(out.sampled_token_ids).result().numpy()
-        return self._bookkeeping(step, num_scheduled, sampled, out)
+        result = self._bookkeeping(step, num_scheduled, sampled, out)
+        result.prompt_logprobs = prompt_lps
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs,
+                         num_scheduled: np.ndarray) -> dict[str, list[LogprobRow]]:
+        """Logprobs of the next prompt token at each prompt position computed this step,
+        for the (few) requests that asked for prompt_logprobs."""
+        out = {}
+        for rid in list(self.prompt_logprob_reqs):
+            state = self.states[rid]
+            req, row = state.request, self.batch.req_id_to_index.get(rid)
+            if row is None:
+                continue
+            # positions computed this step that still owe a logprob (recompute after preemption skips them)
+            first = max(int(self.batch.num_computed_tokens[row]), state.prompt_logprobs_done)
+            last = min(int(self.batch.num_computed_tokens[row] + num_scheduled[row]), req.num_prompt_tokens - 1)
+            if last > first:
+                start = int(step.query_start_loc[row]) + first - int(self.batch.num_computed_tokens[row])
+                logits = self.model.compute_logits(hidden[start:start + last - first])
+                targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], device=logits.device)
+                lists = compute_prompt_logprobs(logits, targets, req.params.prompt_logprobs).tolists()
+                out[rid] = [lists.row(i) for i in range(last - first)]
+                state.prompt_logprobs_done = last
+            if state.prompt_logprobs_done >= req.num_prompt_tokens - 1:
+                self.prompt_logprob_reqs.discard(rid)
+        return out
 
     # ---- split steps (static-shape backends) ------------------------------------
     def _windows(self, counts: np.ndarray) -> list[tuple[int, int]]:
@@ -216,15 +252,18 @@ class ModelRunner:
         ids = [batch.req_ids[r] for r in keep]
         result = StepResult({rid: [int(t)] for rid, t in zip(ids, sampled[keep].tolist())}, num_tokens=step.num_tokens)
         if out.logprobs is not None:
-            lp = out.logprobs.tolists()
+            lists = out.logprobs.tolists()
             for rid, r in zip(ids, keep.tolist()):
-                result.logprobs[rid] = (lp[0][r], lp[1][r], lp[2][r])
+                k = self.states[rid].request.params.logprobs
+                if k is not None:
+                    result.logprobs[rid] = lists.row(r, k)
         return result
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
+            self.prompt_logprob_reqs.discard(rid)
             if rid in batch.req_id_to_index:
                 batch.remove(rid)
         scheduled = {s.request.request_id for s in so.scheduled}
@@ -238,6 +277,8 @@ class ModelRunner:
                 seed = req.params.seed
                 gen = self.backend.make_generator(seed) if seed is not None else None
                 state = self.states[rid] = RunnerRequestState(req, gen)
+                if req.params.prompt_logprobs is not None:
+                    self.prompt_logprob_reqs.add(rid)
             if s.is_new:
                 state.block_ids = list(s.new_block_ids)
             else:
@@ -246,6 +287,7 @@ class ModelRunner:
             if row is None:
                 batch.add(rid, req.prompt_token_ids, req.output_token_ids, req.num_computed_tokens,
                           state.block_ids, dict(params=req.params, generator=state.generator,
+                                                bad_words_ids=req.bad_words_token_ids,
                                                 eos_token_ids=req.eos_token_ids))
             else:
                 batch.block_table.append_row(row, s.new_block_ids)

@@ -251,7 +251,7 @@ class SimGraphBackend(CPUBackend):
 
     name = "cpu-simgraph"
     fail = False
-    executors: list = []
+    executor_kwargs: dict = {}
 
     def bucket_policy(self, config):
         return graph_bucket_policy(config)
@@ -259,10 +259,8 @@ class SimGraphBackend(CPUBackend):
     attention = staticmethod(sdpa_paged_attention)
 
     def make_executor(self, model, config):
-        ex = StaticGraphExecutor(model, SimGraphAPI(self.fail), max_num_seqs=config.scheduler.max_num_seqs,
-                                 enforce_eager=config.runner.enforce_eager)
-        SimGraphBackend.executors.append(ex)
-        return ex
+        return StaticGraphExecutor(model, SimGraphAPI(self.fail), max_num_seqs=config.scheduler.max_num_seqs,
+                                   enforce_eager=config.runner.enforce_eager, **self.executor_kwargs)
 
 
 class FailingSimGraphBackend(SimGraphBackend):
@@ -270,11 +268,21 @@ class FailingSimGraphBackend(SimGraphBackend):
     fail = True
 
 
+class WidthsSimGraphBackend(SimGraphBackend):
+    name = "cpu-simgraph-widths"  # context widths 64, 256 and 512 tokens (4, 16, 32 blocks)
+    executor_kwargs = dict(context_buckets=(64, 256))
+
+
+class ShortSimGraphBackend(SimGraphBackend):
+    name = "cpu-simgraph-short"  # one context width of 32 tokens: longer decodes run eagerly
+    executor_kwargs = dict(max_seq_len_to_capture=32)
+
+
 class _SimPlugin:
     @staticmethod
     @hookimpl
     def polyrunner_backends():
-        return [SimGraphBackend, FailingSimGraphBackend]
+        return [SimGraphBackend, FailingSimGraphBackend, WidthsSimGraphBackend, ShortSimGraphBackend]
 
 
 @pytest.fixture(scope="module")
@@ -318,14 +326,27 @@ def _generate(folder, backend, max_tokens=8, **kw):
 
 def test_simulated_graphs_match_cpu_reference(sim_backend, tiny_llama):
     expected = _expected(tiny_llama)
-    SimGraphBackend.executors.clear()
     llm, got = _generate(tiny_llama, "cpu-simgraph")
     ex = llm.engine.runner.executor
     assert got == expected
-    assert ex.num_graphs() == 4 and sorted(ex.graphs) == [1, 2, 4, 8]
+    assert ex.num_graphs() == 4 and sorted(ex.graphs) == [(1, 32), (2, 32), (4, 32), (8, 32)]
     assert ex.api.captures == 4 and ex.api.replays > 0  # decode steps replayed graphs
     llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, use_tqdm=False)
     assert ex.num_graphs() == 4 and ex.api.captures == 4  # no growth after warm-up
+
+
+def test_simulated_graphs_context_widths(sim_backend, tiny_llama, caplog):
+    expected = _expected(tiny_llama)
+    llm, got = _generate(tiny_llama, "cpu-simgraph-widths")
+    ex = llm.engine.runner.executor
+    assert got == expected and ex.num_graphs() == 12 and ex._widths == [4, 16, 32]
+    used = ex.api.replays
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)  # short context: the 4-block graphs
+    assert ex.api.replays > used and ex.num_graphs() == 12
+    with caplog.at_level(logging.WARNING):
+        llm, got = _generate(tiny_llama, "cpu-simgraph-short")
+    assert got == expected and llm.engine.runner.executor._widths == [2]
+    assert "exceeds the widest graph" in caplog.text
 
 
 def test_simulated_graphs_chunked_prefill(sim_backend, tiny_llama):
@@ -357,15 +378,17 @@ def test_enforce_eager_captures_nothing(sim_backend, tiny_llama):
     assert llm.engine.runner.buckets.token_buckets == []
 
 
-def _random_decode_inputs(runner, B, seed):
-    """A decode-only batch of B requests at random positions on distinct random blocks."""
+def _random_decode_inputs(runner, B, W, seed):
+    """A decode-only batch of B requests at random positions below W blocks (the
+    first at the last position), each on distinct random blocks."""
     from polyrunner.runner import dummy_step
     rng = np.random.default_rng(seed)
     bs = runner.block_size
     step = dummy_step(B, B, runner.max_blocks_per_req)
-    pos = rng.integers(0, 3 * bs, size=B)
-    blocks = rng.permutation(np.arange(1, runner.num_blocks))[: B * 3].reshape(B, 3).astype(np.int32)
-    step.block_tables[:, :3] = blocks
+    pos = rng.integers(0, W * bs, size=B)
+    pos[0] = W * bs - 1
+    blocks = rng.permutation(np.arange(1, runner.num_blocks))[: B * W].reshape(B, W).astype(np.int32)
+    step.block_tables[:, :W] = blocks
     step.input_ids = rng.integers(3, 500, size=B).astype(np.int64)
     step.positions = pos.astype(np.int64)
     step.seq_lens = (pos + 1).astype(np.int32)
@@ -378,16 +401,18 @@ def _check_every_bucket(llm, atol):
     runner = llm.engine.runner
     ex = runner.executor
     assert ex.num_graphs() > 0
-    for B in sorted(ex.graphs):
-        inputs = _random_decode_inputs(runner, B, seed=B)
+    for B, W in sorted(ex.graphs):
+        inputs = _random_decode_inputs(runner, B, W, seed=B * 100 + W)
+        assert ex._dispatch(inputs) == (B, W)
         with torch.inference_mode():
             eager = ex.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches).clone()
             graph = ex.run(inputs).clone()
         torch.testing.assert_close(graph, eager, rtol=atol, atol=atol, msg=f"bucket {B}")
 
 
-def test_simulated_graph_equals_eager_every_bucket(sim_backend, tiny_llama):
-    llm, _ = _generate(tiny_llama, "cpu-simgraph", max_tokens=1)
+@pytest.mark.parametrize("backend", ["cpu-simgraph", "cpu-simgraph-widths"])
+def test_simulated_graph_equals_eager_every_bucket(sim_backend, tiny_llama, backend):
+    llm, _ = _generate(tiny_llama, backend, max_tokens=1)
     _check_every_bucket(llm, 1e-4)
 
 

@@ -123,7 +123,7 @@ def _check_stream(detok, ids, sizes, truth):
     assert detok.flush() == "" and detok.text == truth
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --------------------------------------------------------------------------- full decode equality

@@ -30,21 +30,28 @@ TEXTS = [
     "",
     "a",
 ]
-TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set ns = namespace(system=false) %}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "{% if message['role'] == 'system' %}{% set ns.system = true %}{% endif %}"
-    "<|{{ message['role'] }}|>\n"
-    "    {{ message['content'] | trim }}"
-    "{% if loop.last and message['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
-    "{% endfor %}"
-    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(system=false) %}
+{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role: ' + message['role']) }}
+    {% endif %}
+    {% if message['role'] == 'system' %}
+        {% set ns.system = true %}
+    {% endif %}
+<|{{ message['role'] }}|>
+    {{ message['content'] | trim }}
+    {% if loop.last and message['role'] == 'assistant' %}{{ eos_token }}{% endif %}
+
+{% endfor %}
+{% if tools %}
+tools: {{ tools | tojson }}
+{% endif %}
+{% if not ns.system %}(no system prompt)
+{% endif %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
 MESSAGES = [
     {"role": "system", "content": "You are terse. <b>html</b> & \"quotes\""},
     {"role": "user", "content": "  What is 2+2?  "},

@@ -8,6 +8,7 @@ to 24 requests, so busy steps are split into row windows.
 """
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -82,7 +83,7 @@ def test_split_batch_every_row(xla_llm, cpu_llm):
     """24 distinct requests at once: steps of 17..24 rows run as windows of 16 + the
     rest. Every row must equal the unsplit CPU run (a window that read rows 0..n-1
     of the batch instead of its own would repeat the first window's requests)."""
-    prompts = _prompts(MAX_SEQS, seed=2, lo=2, hi=9)  # <= 64 tokens for the first step's 8 prompts...
+    prompts = _prompts(MAX_SEQS, seed=2, lo=2, hi=9)  # short prompts: all 24 run together soon
     lengths = [4 + i % 7 for i in range(MAX_SEQS)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     before = xla_llm.engine.runner.split_steps
@@ -120,12 +121,17 @@ def test_200_requests_compile_nothing_new(xla_llm):
 
 
 def test_seeded_sampling_is_reproducible(xla_llm):
+    """A seeded request samples the same tokens alone and as the last row of a
+    full, split batch (its sampling parameters come from its own row)."""
     prompt = _prompts(1, seed=5)[0]
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
     alone = _ids(_gen(xla_llm, [prompt], p))[0]
-    crowd = _prompts(11, seed=6)
+    assert _ids(_gen(xla_llm, [prompt], p))[0] == alone
+    crowd = _prompts(MAX_SEQS - 1, seed=6, lo=2, hi=6)
+    before = xla_llm.engine.runner.split_steps
     mixed = _gen(xla_llm, crowd + [prompt],
-                 [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * 11 + [p])
+                 [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * (MAX_SEQS - 1) + [p])
+    assert xla_llm.engine.runner.split_steps > before
     assert _ids(mixed)[-1] == alone
     other = _ids(_gen(xla_llm, [prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=10,
                                                        ignore_eos=True)))[0]
@@ -181,3 +187,29 @@ def test_strict_mode_raises_with_shapes(xla_llm):
     with pytest.raises(RecompilationError, match=r"'select_hidden' at shape \{'tokens': 5, 'reqs': 3\}"):
         ex._select(torch.zeros(5, 64).to(dev), torch.zeros(3, dtype=torch.long).to(dev))
     ex.serving_graphs = 0  # the deliberate compile above is not a serving regression
+
+
+def test_pallas_layout_with_the_reference_kernel():
+    """The TPU path's KV layout, interleaved write and padded kernel metadata, checked
+    with torch_xla's non-kernel reference of ragged paged attention on the host (the
+    Pallas kernel itself needs a TPU and is unverified)."""
+    import torch
+    from torch_xla.experimental.custom_kernel import _ragged_paged_attention_nonkernel
+    from polyrunner.attention.reference import reference_paged_attention
+    from polyrunner.backends.xla import pallas
+    from test_xla_buckets import _paged_case
+
+    for window in (None, 4):
+        q, k, v, cache, meta, spec, T = _paged_case(1, window)
+        want = reference_paged_attention(q, k, v, cache.clone(), meta, spec)[:T]
+        nb, bs, hkv, d = cache.shape[1:]
+        pages = torch.stack([cache[0], cache[1]], dim=3).reshape(nb, bs, 2 * hkv, d)
+        step = SimpleNamespace(num_reqs=3, num_tokens=T, seq_lens=meta.seq_lens_np,
+                               block_tables=meta.block_tables.numpy(), query_start_loc=meta.query_start_loc_np)
+        extras = {key: torch.from_numpy(a) for key, a in pallas.host_inputs(step, 8).items()}
+        pallas.write_kv(pages, k, v, meta.slot_mapping)
+        got = _ragged_paged_attention_nonkernel(
+            q, pages, extras["pallas_seq_lens"], extras["pallas_block_tables"],
+            extras["pallas_query_start_loc"], extras[pallas.NUM_SEQS], None, None,
+            sm_scale=spec.scale, sliding_window=window)
+        torch.testing.assert_close(got[:T], want, rtol=1e-5, atol=1e-5)

@@ -6,9 +6,13 @@ import os
 
 import torch
 
+from polyrunner.attention.metadata import NULL_BLOCK
 from polyrunner.backend import Availability, Backend, Capabilities
 from polyrunner.plugins import hookimpl
 from polyrunner.backends.cpu.attention import cpu_paged_attention
+
+
+DEFAULT_KV_CAP = 4 << 30
 
 
 class CPUBackend(Backend):
@@ -29,6 +33,23 @@ class CPUBackend(Backend):
     def memory_info(self) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    def kv_cache_budget(self, config, weights_bytes, profile) -> int:
+        """`kv_cache_memory_bytes`, else what max_num_seqs full-length requests
+        need, capped at 4 GiB and half the free host memory."""
+        profile()
+        if config.cache.kv_cache_memory_bytes is not None:
+            return config.cache.kv_cache_memory_bytes
+        free, _ = self.memory_info()
+        return int(min(DEFAULT_KV_CAP, free * config.cache.memory_utilization / 2))
+
+    def allocate_kv_cache(self, spec, num_blocks):
+        """Uninitialised host memory (every slot is written before it is read),
+        except the null block, which padded requests may read."""
+        caches = [torch.empty(spec.layer_shape(num_blocks), dtype=spec.dtype) for _ in range(spec.num_layers)]
+        for cache in caches:
+            cache[:, NULL_BLOCK].zero_()
+        return caches
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array

@@ -83,20 +83,21 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
                  block_ids: torch.Tensor, seq_len: int, spec: LayerSpec) -> torch.Tensor:
     """One request's `[n, Hq, D]` queries, the last n of its `seq_len` tokens."""
     n = q.shape[0]
-    gqa = spec.num_heads != spec.num_kv_heads
     if seq_len == n and kv_cache.dtype == k.dtype:  # fresh prompt: its own k/v are the context
         ck, cv = k, v
     else:
         ck, cv = gather_context(kv_cache, block_ids, seq_len)
         ck, cv = ck.to(q.dtype), cv.to(q.dtype)
+    groups = spec.num_heads // spec.num_kv_heads
+    if groups > 1:  # explicit GQA expansion (linear memory) keeps every fused SDPA kernel eligible
+        ck, cv = ck.repeat_interleave(groups, dim=1), cv.repeat_interleave(groups, dim=1)
     mask, causal = None, False
     if seq_len == n and spec.sliding_window is None:
-        causal = True
+        causal = True  # no mask tensor: flash kernels apply
     else:
         mask = causal_mask(n, seq_len, spec.sliding_window, q.device)
     o = F.scaled_dot_product_attention(q.transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
-                                       attn_mask=mask, is_causal=causal, scale=spec.scale,
-                                       enable_gqa=gqa)
+                                       attn_mask=mask, is_causal=causal, scale=spec.scale)
     return o.transpose(0, 1)
 
 

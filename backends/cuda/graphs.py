@@ -10,9 +10,14 @@ small `GraphAPI` and never imports a device library itself.
   per request), so a graph larger than `max_num_seqs` could never be replayed:
   unlike vLLM's `2 * max_num_seqs` (which serves speculative decoding's
   several tokens per request) the list stops at `max_num_seqs`.
-- `StaticGraphExecutor`: full-model graphs for decode-only batches, captured
-  largest first into one shared memory pool, replayed after copying the step's
-  inputs into static buffers; everything else runs eagerly.
+- `StaticGraphExecutor`: full-model graphs for decode-only batches, keyed by
+  (batch size, context width), captured largest first into one shared memory
+  pool, replayed after copying the step's inputs into static buffers;
+  everything else runs eagerly. Inside a graph, decode attention reads a fixed
+  number of blocks per request, so its cost follows the graph's context width,
+  not the live context: widths step by 4x (512, 2048, 8192 tokens, capped at
+  `max_seq_len_to_capture` and the block-table width) keep that within 4x of
+  the batch's longest context; a longer context runs eagerly.
 - `profiled_kv_budget`, `async_to_host`, `pinned_upload`: memory profiling and
   host<->device transfers over a CUDA-like device module.
 """
@@ -133,22 +138,21 @@ class _Static:
         return cls(z(inputs.input_ids), z(inputs.positions), z(m.slot_mapping), z(m.seq_lens),
                    z(m.block_tables), z(m.query_start_loc, B + 1), z(m.token_to_req))
 
-    def load(self, inputs: ModelInputs, B: int) -> None:
+    def load(self, inputs: ModelInputs, B: int, W: int) -> None:
         m = inputs.attn
         self.input_ids[:B].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:B].copy_(inputs.positions, non_blocking=True)
         self.slot_mapping[:B].copy_(m.slot_mapping, non_blocking=True)
         self.seq_lens[:B].copy_(m.seq_lens, non_blocking=True)
-        self.block_tables[:B].copy_(m.block_tables, non_blocking=True)
+        self.block_tables[:B, :W].copy_(m.block_tables[:, :W], non_blocking=True)
         self.query_start_loc[: B + 1].copy_(m.query_start_loc, non_blocking=True)
         self.token_to_req[:B].copy_(m.token_to_req, non_blocking=True)
 
-    def meta(self, B: int, block_size: int) -> AttentionMetadata:
-        width = self.block_tables.shape[1]
+    def meta(self, B: int, W: int, block_size: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_actual_tokens=B, num_reqs=B, num_decodes=B, max_query_len=1,
-            max_seq_len=width * block_size, query_start_loc=self.query_start_loc[: B + 1],
-            seq_lens=self.seq_lens[:B], block_tables=self.block_tables[:B],
+            max_seq_len=W * block_size, query_start_loc=self.query_start_loc[: B + 1],
+            seq_lens=self.seq_lens[:B], block_tables=self.block_tables[:B, :W],
             slot_mapping=self.slot_mapping[:B], positions=self.positions[:B],
             token_to_req=self.token_to_req[:B], extras={STATIC_DECODE: True})
 
@@ -163,11 +167,12 @@ class _Graph:
 class StaticGraphExecutor(GraphExecutor):
     """Decode-only full-model graphs over static buffers; eager otherwise.
 
-    `prepare` captures one graph per token bucket B (with B requests of one
-    token each, B <= max_num_seqs), largest first, all in one memory pool;
-    each capture follows `num_warmups` eager runs. `run` replays the graph of
-    the padded size when the batch is decode-only, padded to a captured size,
-    and uses the KV caches the graphs were captured with; anything else runs
+    `prepare` captures, for every token bucket B (B requests of one token each,
+    B <= max_num_seqs) and every context width W (in blocks), one graph,
+    largest first, all in one memory pool; each capture follows `num_warmups`
+    eager runs. `run` replays graph (B, smallest W covering the longest
+    context) when the batch is decode-only, padded to a captured size, and
+    uses the KV caches the graphs were captured with; anything else runs
     eagerly (logged once per reason). A failed capture discards every graph
     and the executor stays eager, with a warning saying why.
     """
@@ -177,13 +182,17 @@ class StaticGraphExecutor(GraphExecutor):
     max_num_seqs: int
     enforce_eager: bool = False
     num_warmups: int = 1
-    graphs: dict[int, _Graph] = field(default_factory=dict)
+    max_seq_len_to_capture: int = 8192
+    context_buckets: tuple[int, ...] = (512, 2048)  # tokens; plus the capped maximum
+    graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict)
     capture_seconds: float = 0.0
     capture_bytes: int = 0
     disabled_reason: str | None = None
     _static: _Static | None = None
     _kv: list[torch.Tensor] | None = None
     _kv_ptrs: list[int] = field(default_factory=list)
+    _widths: list[int] = field(default_factory=list)  # context widths in blocks, ascending
+    _block_size: int = 0
     _capturing: int | None = None
     _pool: Any = None
     _warned: set[str] = field(default_factory=set)
@@ -213,8 +222,9 @@ class StaticGraphExecutor(GraphExecutor):
             self.api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free0 - self.api.free_memory())
-        logger.info("%s: captured %d graphs (sizes %s) in %.2fs using %.1f MiB", self.api.name,
-                    len(self.graphs), sorted(self.graphs), self.capture_seconds, self.capture_bytes / 2**20)
+        logger.info("%s: captured %d graphs (batch sizes %s x context widths %s tokens) in %.2fs using "
+                    "%.1f MiB", self.api.name, len(self.graphs), sorted({b for b, _ in self.graphs}),
+                    [w * self._block_size for w in self._widths], self.capture_seconds, self.capture_bytes / 2**20)
 
     def num_graphs(self) -> int:
         return len(self.graphs)
@@ -222,11 +232,11 @@ class StaticGraphExecutor(GraphExecutor):
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         if self._capturing is not None:
             return self._capture(inputs, self._capturing)
-        B = self._dispatch(inputs)
-        if B is None:
+        key = self._dispatch(inputs)
+        if key is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
-        self._static.load(inputs, B)
-        graph = self.graphs[B]
+        self._static.load(inputs, *key)
+        graph = self.graphs[key]
         graph.replay()
         return graph.output
 
@@ -235,25 +245,28 @@ class StaticGraphExecutor(GraphExecutor):
         if inputs.input_ids.shape[0] != B or m.num_padded_reqs != B or m.max_query_len != 1:
             raise RuntimeError(f"capture of size {B} got a batch of {inputs.input_ids.shape[0]} tokens, "
                                f"{m.num_padded_reqs} requests, max_query_len {m.max_query_len}")
-        if self._static is None:
+        if self._static is None:  # the first (largest) capture sizes the static buffers
             self._static = _Static.like(inputs)
             self._kv, self._kv_ptrs = inputs.kv_caches, [t.data_ptr() for t in inputs.kv_caches]
-        st = self._static
-        st.load(inputs, B)
-        meta = st.meta(B, inputs.kv_caches[0].shape[2])
-        kv = self._kv
+            self._block_size = bs = inputs.kv_caches[0].shape[2]
+            top = min(m.block_tables.shape[1], -(-self.max_seq_len_to_capture // bs))
+            self._widths = sorted({-(-t // bs) for t in self.context_buckets if -(-t // bs) < top} | {top})
+        st, kv = self._static, self._kv
+        for W in reversed(self._widths):  # widest first, like the batch sizes
+            st.load(inputs, B, W)
+            meta = st.meta(B, W, self._block_size)
 
-        def forward() -> torch.Tensor:
-            return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+            def forward(meta=meta) -> torch.Tensor:
+                return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
 
-        for _ in range(self.num_warmups):
-            forward()
-        self.api.synchronize()
-        replay, out = self.api.capture(forward, self._pool)
-        self.graphs[B] = _Graph(replay, out)
+            for _ in range(self.num_warmups):
+                forward()
+            self.api.synchronize()
+            replay, out = self.api.capture(forward, self._pool)
+            self.graphs[(B, W)] = _Graph(replay, out)
         return out
 
-    def _dispatch(self, inputs: ModelInputs) -> int | None:
+    def _dispatch(self, inputs: ModelInputs) -> tuple[int, int] | None:
         if not self.graphs:
             return None
         m = inputs.attn
@@ -261,19 +274,25 @@ class StaticGraphExecutor(GraphExecutor):
         if m.max_query_len != 1 or m.num_actual_tokens != m.num_reqs:
             self._warn_once("mixed", "batches with prefill tokens run eagerly (graphs are decode-only)")
             return None
-        if B not in self.graphs:
-            largest = max(self.graphs)
+        W = next((w for w in self._widths if w * self._block_size >= m.max_seq_len), None)
+        if W is None:
+            self._warn_once("long", f"decode context of {m.max_seq_len} tokens exceeds the widest graph "
+                                    f"({self._widths[-1] * self._block_size}, max_seq_len_to_capture="
+                                    f"{self.max_seq_len_to_capture}); running eagerly")
+            return None
+        if (B, W) not in self.graphs:
+            largest = max(b for b, _ in self.graphs)
             reason = (f"decode batch of {B} exceeds the largest captured graph ({largest}); running eagerly"
                       if B > largest else f"no graph was captured for padded size {B}; running eagerly")
             self._warn_once(f"size{B > largest}", reason)
             return None
-        if m.num_padded_reqs != B or m.block_tables.shape[1] != self._static.block_tables.shape[1]:
+        if m.num_padded_reqs != B or m.block_tables.shape[1] < W:
             self._warn_once("shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly")
             return None
         if inputs.kv_caches is not self._kv and [t.data_ptr() for t in inputs.kv_caches] != self._kv_ptrs:
             self._warn_once("kv", "KV caches were reallocated after capture; graphs disabled, running eagerly")
             return None
-        return B
+        return B, W
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

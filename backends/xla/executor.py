@@ -70,17 +70,16 @@ def select_buckets(num_tokens: int, request_buckets: list[int]) -> list[int]:
 
 
 class XLAGraphExecutor(GraphExecutor):
-    def __init__(self, model: torch.nn.Module, device: torch.device, *, vocab_size: int,
-                 strict: bool, enforce_eager: bool, seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, *, strict: bool,
+                 enforce_eager: bool, seed: int) -> None:
         import torch_xla
         import torch_xla.debug.metrics as met
         super().__init__(model)
         self._torch_xla, self._met = torch_xla, met
         self.device = device
-        self.vocab_size = vocab_size
         self.strict = strict and not enforce_eager
         self.enforce_eager = enforce_eager
-        self.max_logprobs = min(MAX_LOGPROBS, vocab_size)
+        self.max_logprobs = MAX_LOGPROBS  # K of the logprob graph (capped at the vocabulary)
         self.rng = np.random.default_rng(seed)
         self.compiled = 0            # graphs compiled by this executor's syncs
         self.warm = False            # True once every bucket is compiled
@@ -141,7 +140,7 @@ class XLAGraphExecutor(GraphExecutor):
                 bar.set_postfix_str(f"sampling R={R}")
                 sel = self._dev(torch.zeros(R, hidden.shape[1], dtype=hidden.dtype))
                 logits = self._logits(sel)
-                dummy = _dummy_sampling(R, self.vocab_size)
+                dummy = _dummy_sampling(R, logits.shape[1])
                 greedy = self._sample(logits, dummy, all_greedy=True)
                 sampled = self._sample(logits, dummy, all_greedy=False)
                 self._logprobs(logits, sampled)
@@ -182,8 +181,9 @@ class XLAGraphExecutor(GraphExecutor):
         return tokens
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor):
-        lp = topk_logprobs(logits, tokens, self.max_logprobs)
-        self._sync("logprobs", {"reqs": int(logits.shape[0]), "k": self.max_logprobs})
+        k = min(self.max_logprobs, logits.shape[1])
+        lp = topk_logprobs(logits, tokens, k)
+        self._sync("logprobs", {"reqs": int(logits.shape[0]), "k": k})
         return lp
 
     def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice,
@@ -195,7 +195,7 @@ class XLAGraphExecutor(GraphExecutor):
     def _sample_rows(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice) -> SamplerOutput:
         R_pad = int(inputs.logits_indices.shape[0])
         logits = self._logits(self._select(hidden, inputs.logits_indices))
-        si = build_sampling_inputs(batch, rows, R_pad, self.vocab_size, self.rng,
+        si = build_sampling_inputs(batch, rows, R_pad, logits.shape[1], self.rng,
                                    STOP_WIDTH, self.max_logprobs)
         if si.host_only:
             return self._sample_on_host(logits, si)

@@ -165,9 +165,7 @@ class XLABackend(Backend):
     # ---- graphs -------------------------------------------------------------------
     def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
         from polyrunner.backends.xla.executor import XLAGraphExecutor, strict_from_env
-        vocab = model.arch.vocab_size if hasattr(model, "arch") else model.compute_logits(
-            torch.zeros(1, 1)).shape[-1]
-        return XLAGraphExecutor(model, self.device, vocab_size=vocab,
+        return XLAGraphExecutor(model, self.device,
                                 strict=config.runner.strict_no_recompile or strict_from_env(),
                                 enforce_eager=config.runner.enforce_eager, seed=config.model.seed)
 

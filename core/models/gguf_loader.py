@@ -97,14 +97,17 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     path = Path(path).expanduser()
     out = Path(out_dir)
     gf = _GGUFFile.open(path)
-    config, plan = gf.model_plan()
-    out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(out / "model.safetensors", plan, path)
+    config, plan = gf.model_plan()  # every check happens before anything is written
     tok = gf.tokenizer()
+    out.mkdir(parents=True, exist_ok=True)
     if tok is not None:
         backend, tok_config = tok
         backend.save(str(out / "tokenizer.json"))
         _write_json(out / "tokenizer_config.json", tok_config)
+    else:  # no vocabulary in the file: leave no stale tokenizer from an earlier conversion
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name).unlink(missing_ok=True)
+    _write_safetensors(out / "model.safetensors", plan, path)
     _write_json(out / "generation_config.json", gf.generation_config())
     _write_json(out / "config.json", config)
     return out
@@ -125,7 +128,7 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
     the conversion version), so an edited or replaced file is converted again.
     A conversion is written into a temporary folder, completed with a marker
     file, then renamed into place: a half-written entry is never used. A hit
-    costs two `stat` calls.
+    costs a few `stat` calls and imports nothing.
     """
     src = Path(path).expanduser().resolve()
     try:
@@ -139,6 +142,12 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
         return folder
 
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{folder.name}.*.partial"):  # left by a crashed conversion a day ago or more
+        try:
+            if time.time() - stale.stat().st_mtime > 86400:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=root))
     try:
         started = time.perf_counter()
@@ -222,6 +231,11 @@ class _GGUFFile:
             raise GGUFError(
                 f"{self.path}: architecture {arch!r} is not supported; "
                 f"supported GGUF architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.get("split.count", 1) > 1:
+            raise GGUFError(
+                f"{self.path}: this is part {self.get('split.no', 0) + 1} of a {self.get('split.count')}-part split "
+                "GGUF; merge the parts first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)"
             )
         if self.get(f"{arch}.expert_count", 0):
             raise GGUFError(f"{self.path}: mixture-of-experts models ({arch}.expert_count > 0) are not supported")
@@ -453,6 +467,8 @@ def _write_safetensors(out: Path, plan: list[_TensorPlan], src: Path) -> None:
             if arr.shape != p.shape:
                 raise GGUFError(f"{src}: tensor {p.name} came out {arr.shape}, expected {p.shape}")
             f.write(memoryview(arr).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())  # the cache marker written after this must not outlive the data
 
 
 # ------------------------------------------------------------------ rope

@@ -1,0 +1,88 @@
+"""Property tests: random request streams through the scheduler and block pool.
+
+A fake runner "computes" scheduled tokens and samples a token for every request
+that finished its prefill, so no model is needed. Invariants checked every step:
+token budget and max_num_seqs never exceeded, blocks held == blocks needed,
+no block shared without prefix caching; at the end every request finished or
+was aborted and every block is free.
+"""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from polyrunner.config import SchedulerConfig
+from polyrunner.kv_manager import KVCacheManager, cdiv
+from polyrunner.request import Request, RequestStatus
+from polyrunner.sampling_params import SamplingParams
+from polyrunner.scheduler import Scheduler
+
+MAX_MODEL_LEN = 128
+
+request_spec = st.tuples(
+    st.integers(1, 100),        # prompt length
+    st.integers(1, 27),         # max tokens
+    st.integers(0, 30),         # arrival step
+    st.one_of(st.none(), st.integers(0, 40)),  # abort at step
+    st.integers(0, 3),          # prompt family (shared prefixes exercise the prefix cache)
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(request_spec, min_size=1, max_size=24),
+       budget=st.integers(8, 96), max_seqs=st.integers(1, 8), num_blocks=st.integers(9, 40),
+       block_size=st.sampled_from([4, 8, 16]), chunked=st.booleans(), prefix=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, seed):
+    if not chunked:
+        budget = max(budget, MAX_MODEL_LEN)
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks, block_size, prefix)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                      enable_chunked_prefill=chunked), kv, MAX_MODEL_LEN)
+    families = [[rng.randrange(3, 500) for _ in range(100)] for _ in range(4)]
+    reqs = []
+    for i, (plen, max_tokens, arrival, abort_at, fam) in enumerate(specs):
+        plen = min(plen, MAX_MODEL_LEN - 1)
+        # a request must fit in the pool on its own, as the engine checks at admission
+        plen = min(plen, (num_blocks - 1) * block_size - max_tokens)
+        if plen < 1:
+            continue
+        prompt = families[fam][:plen]
+        reqs.append((arrival, abort_at, Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                                min(max_tokens, MAX_MODEL_LEN - plen))))
+    pending = sorted(reqs, key=lambda x: x[0])
+    step = 0
+    while pending or sched.num_unfinished:
+        while pending and pending[0][0] <= step:
+            sched.add_request(pending.pop(0)[2])
+        for _, abort_at, req in reqs:
+            if abort_at == step:
+                sched.abort(req.request_id)
+        out = sched.schedule()
+        assert out.total_num_tokens <= budget
+        assert len(out.scheduled) <= max_seqs
+        assert len(sched.running) <= max_seqs
+        sampled = {}
+        for s in out.scheduled:
+            req = s.request
+            assert s.num_tokens >= 1
+            assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
+            assert len(kv.blocks[req.request_id]) >= cdiv(req.num_computed_tokens + s.num_tokens, block_size)
+            if req.num_computed_tokens + s.num_tokens == req.num_tokens:
+                sampled[req.request_id] = [rng.randrange(3, 500)]
+        if not prefix:  # without sharing, no block is held twice
+            held = [b for bl in kv.blocks.values() for b in bl]
+            assert len(held) == len(set(held))
+        assert 0 not in {b for bl in kv.blocks.values() for b in bl}  # null block never handed out
+        sched.update_from_output(out, sampled)
+        step += 1
+        assert step < 5000, "scheduler made no progress"
+    for _, _, req in reqs:
+        assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED), req.status
+        if req.status == RequestStatus.FINISHED_LENGTH:
+            assert req.num_output_tokens == req.max_tokens
+    assert kv.pool.num_free_blocks == num_blocks - 1
+    assert not kv.blocks
+    assert (kv.pool.ref_cnt[1:] == 0).all()
