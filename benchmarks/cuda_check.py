@@ -4,6 +4,7 @@
     python benchmarks/cuda_check.py --skip-tests --backend cpu   # dry run without a GPU
 
 1. runs `pytest tests/test_cuda_backend.py` (the GPU-only tests run when a GPU is visible);
+   then the conformance suite against the backend (`polyrunner.conformance`), when present;
 2. writes a small random Llama (config.json + safetensors) to a temp folder;
 3. greedy generation with CUDA graphs and with `enforce_eager`, for a batch-1
    and a batched workload: tokens/s, graph count, capture time and memory,
@@ -36,6 +37,21 @@ def run_tests() -> dict:
             "failures": failures[:20], "skipped": [ln for ln in lines if ln.startswith("SKIPPED")][:10],
             "seconds": round(time.perf_counter() - t0, 1),
             "tail": "\n".join(lines[-40:]) if proc.returncode else ""}
+
+
+def run_conformance_suite(backend: str) -> dict:
+    try:
+        from polyrunner.conformance.framework import run_conformance
+    except ImportError as exc:
+        return {"result": f"not available: {exc}"}
+    t0 = time.perf_counter()
+    report = run_conformance(backend)
+    counts: dict[str, int] = {}
+    for r in report.results:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    return {"result": ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
+            "failures": [f"{r.group}::{r.name}: {str(r.detail)[:300]}" for r in report.failures()],
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def bench(folder: Path, backend: str, eager: bool, workloads: dict, args) -> dict:
@@ -76,6 +92,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="cuda")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--skip-conformance", action="store_true")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -120,6 +137,8 @@ def main() -> int:
             "speedup_bs1": round(graphs["bs1_tok_s"] / eager["bs1_tok_s"], 2),
             "speedup_batch": round(graphs["batch_tok_s"] / eager["batch_tok_s"], 2),
             "greedy_equal_graphs_vs_eager": f"{same}/{total}"}
+        if not args.skip_conformance:  # after the benchmark: it builds many engines
+            summary["conformance"] = run_conformance_suite(args.backend)
 
     print("=" * 72)
     print("polyrunner CUDA check")
@@ -130,6 +149,11 @@ def main() -> int:
             print("  " + line)
         if t["tail"]:
             print(t["tail"])
+    if "conformance" in summary:
+        c = summary["conformance"]
+        print(f"conformance: {c['result']}" + (f" ({c['seconds']}s)" if "seconds" in c else ""))
+        for line in c.get("failures", []):
+            print("  " + line)
     b = summary["benchmark"]
     if isinstance(b, str):
         print(b)
@@ -144,7 +168,8 @@ def main() -> int:
         print(f"speedup: bs1 x{b['speedup_bs1']}  batch x{b['speedup_batch']}  "
               f"greedy equal: {b['greedy_equal_graphs_vs_eager']}")
     print("SUMMARY " + json.dumps(summary, default=str))
-    return 1 if summary.get("tests", {}).get("rc", 0) not in (0, 5) else 0
+    bad_tests = summary.get("tests", {}).get("rc", 0) not in (0, 5)
+    return 1 if bad_tests or summary.get("conformance", {}).get("failures") else 0
 
 
 if __name__ == "__main__":

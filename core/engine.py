@@ -72,8 +72,9 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; raises ValueError before anything is scheduled."""
+                    request_id: str | None = None, stream: bool = False) -> str:
+        """Validate and queue a request; raises ValueError before anything is scheduled.
+        `stream`: `step()` reports it every step, not only when finished."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, ids = self._tokenize(prompt)
@@ -91,7 +92,7 @@ class LLMEngine:
             if params.bad_words:
                 child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
             children.append(child)
-        self.outputs.add(request_id, children)
+        self.outputs.add(request_id, children, stream)
         for child in children:
             self.scheduler.add_request(child)
         return request_id
@@ -156,4 +157,4 @@ class LLMEngine:
             if stop is not None:  # a stop string wins over length/EOS in the same step
                 self.scheduler.finish_with_stop_string(req, stop)
             touched[self.outputs.parent_id(req.request_id)] = None
-        return [self.outputs.output(pid) for pid in touched]
+        return [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]

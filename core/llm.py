@@ -79,7 +79,7 @@ class LLM:
                         ) -> Iterator[RequestOutput]:
         """Yield partial outputs (cumulative text and tokens) as tokens arrive."""
         prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-        ids = [self.engine.add_request(p, sp) for p, sp in
+        ids = [self.engine.add_request(p, sp, stream=True) for p, sp in
                zip(prompt_list, _broadcast(sampling_params, len(prompt_list)))]
         try:
             while self.engine.has_unfinished_requests():

@@ -25,6 +25,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[str]
+    stream: bool = False   # emit every step (else only when finished)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: set[str] = field(default_factory=set)
 
@@ -36,10 +37,10 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}
 
-    def add(self, parent_id: str, children: list[Request]) -> None:
+    def add(self, parent_id: str, children: list[Request], stream: bool = False) -> None:
         first = children[0]
         self._parents[parent_id] = _Parent(parent_id, first.prompt, first.prompt_token_ids,
-                                           [c.request_id for c in children])
+                                           [c.request_id for c in children], stream)
         for i, req in enumerate(children):
             p = req.params
             detok = None
@@ -120,6 +121,11 @@ class OutputProcessor:
 
     def parent_id(self, req_id: str) -> str | None:
         return self._parent_of.get(req_id)
+
+    def wants_output(self, parent_id: str) -> bool:
+        """Streaming parents report every step; others only once all children finished."""
+        parent = self._parents[parent_id]
+        return parent.stream or all(self._completions[c].request.status.finished for c in parent.children)
 
     def children(self, parent_id: str) -> list[str]:
         p = self._parents.get(parent_id)

@@ -7,6 +7,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# Tiny test models are dominated by per-op overhead; one intra-op thread avoids
+# OpenMP barrier stalls when the machine is shared (a 2-core CI box).
+torch.set_num_threads(1)
+
 from tiny_models import build_tiny_model  # noqa: E402
 
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]

@@ -35,9 +35,8 @@ class CPUBackend(Backend):
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
     def kv_cache_budget(self, config, weights_bytes, profile) -> int:
-        """`kv_cache_memory_bytes`, else what max_num_seqs full-length requests
-        need, capped at 4 GiB and half the free host memory."""
-        profile()
+        """`kv_cache_memory_bytes`, else 4 GiB capped at half the free host memory.
+        No profile run: activations on the host are small next to free RAM."""
         if config.cache.kv_cache_memory_bytes is not None:
             return config.cache.kv_cache_memory_bytes
         free, _ = self.memory_info()

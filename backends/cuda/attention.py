@@ -68,7 +68,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         valid = pos < lens
         if spec.sliding_window is not None:
             valid &= pos >= lens - spec.sliding_window
+        # Slots past a request's length may hold anything (a backend may leave them
+        # uninitialised): the scores are overwritten and the values zeroed, so NaN
+        # garbage cannot leak through 0 * NaN.
         s = torch.matmul(qf, kc).masked_fill(~valid[:, None, None, :], float("-inf"))
+        vc = vc.masked_fill(~valid[:, None, :, None], 0.0)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe)

@@ -290,7 +290,7 @@ class StaticGraphExecutor(GraphExecutor):
             self._warn_once("shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly")
             return None
         if inputs.kv_caches is not self._kv and [t.data_ptr() for t in inputs.kv_caches] != self._kv_ptrs:
-            self._warn_once("kv", "KV caches were reallocated after capture; graphs disabled, running eagerly")
+            self._warn_once("kv", "KV caches differ from those the graphs were captured with; running eagerly")
             return None
         return B, W
 

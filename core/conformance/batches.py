@@ -45,8 +45,7 @@ class SyntheticBatch:
         for i, r in enumerate(rows):
             table.add_row(i, self.block_table.table[r, : self.block_table.num_blocks[r]].tolist())
         ctx = self.num_computed_tokens[rows]
-        order = np.argsort(ctx == 1, kind="stable")[::-1]  # decode-first: 1-token rows lead
-        order = np.concatenate([order[ctx[order] == 1], order[ctx[order] != 1]])
+        order = np.concatenate([np.flatnonzero(ctx == 1), np.flatnonzero(ctx != 1)])  # decode-first
         table.table, table.num_blocks = table.table[order], table.num_blocks[order]
         return SyntheticBatch(self.token_ids[rows][order], ctx[order].copy(), ctx[order].copy(),
                               np.zeros(len(rows), np.int32), table, ctx[order].astype(np.int32))
@@ -60,17 +59,16 @@ def split_counts(rng: np.random.Generator, T: int, R: int, all_decode: bool) -> 
         if T != R:
             raise ValueError(f"a decode-only batch has T == R, got T={T}, R={R}")
         return np.ones(R, np.int32)
-    lo = max(0, 2 * R - T)                       # prefill rows get >= 2 tokens each
-    d = int(rng.integers(lo, R)) if R > lo else lo
-    rest, n_pre = T - d, R - d
-    cuts = np.sort(rng.choice(np.arange(1, rest - n_pre + 1), size=n_pre - 1, replace=False)) if n_pre > 1 else []
-    parts = np.diff(np.concatenate([[0], cuts, [rest - n_pre]])).astype(np.int32) + 2 if n_pre else []
-    return np.concatenate([np.ones(d, np.int32), np.asarray(parts, np.int32)])
+    d = int(rng.integers(max(0, 2 * R - T), R))  # prefill rows get >= 2 tokens each
+    n_pre = R - d
+    extra = T - d - 2 * n_pre
+    prefills = 2 + rng.multinomial(extra, np.full(n_pre, 1.0 / n_pre))
+    return np.concatenate([np.ones(d, np.int32), prefills.astype(np.int32)])
 
 
 def make_batch(rng: np.random.Generator, counts: np.ndarray, *, vocab: int, block_size: int,
                max_model_len: int, num_blocks: int, context_budget: int,
-               max_context: int = 40) -> SyntheticBatch:
+               max_context: int = 40, min_decode_context: int = 1) -> SyntheticBatch:
     """Requests scheduling `counts` tokens, each with a random context already cached
     (decodes >= 1 token of context, prefills 0 or more), on distinct random blocks
     in [1, num_blocks). The contexts together stay within `context_budget` tokens."""
@@ -79,11 +77,12 @@ def make_batch(rng: np.random.Generator, counts: np.ndarray, *, vocab: int, bloc
     ctx = np.zeros(R, np.int64)
     for r in range(R):
         room = min(max_context, max_model_len - int(counts[r]))
-        lo = 1 if counts[r] == 1 else 0
+        lo = max(1, min_decode_context) if counts[r] == 1 else 0
         ctx[r] = int(rng.integers(lo, max(lo, room) + 1)) if room >= lo else 0
-    while ctx.sum() > context_budget and ctx.max() > 1:  # shrink contexts to fit the setup step
-        ctx[np.argmax(ctx)] //= 2
-        ctx[(counts == 1) & (ctx == 0)] = 1
+    floor = np.where(counts == 1, max(1, min_decode_context), 0)
+    while ctx.sum() > context_budget and (ctx > floor).any():  # shrink contexts to fit the setup step
+        r = int(np.argmax(ctx - floor))
+        ctx[r] = max(int(floor[r]), int(ctx[r]) // 2)
     total = ctx + counts
     need = -(-total // block_size)
     if need.sum() > num_blocks - 1:

@@ -33,7 +33,7 @@ class ConformanceSettings:
     block_size: int = 16
     max_model_len: int = 128
     kv_blocks: int = 64                  # blocks the main engines' budget buys
-    preempt_blocks: int = 9              # incl. the null block: forces preemption
+    preempt_blocks: int = 6              # incl. the null block: forces preemption
     max_tokens: int = 10
     num_prompts: int = 6
     max_bucket_pairs: int = 8            # execution: buckets compared (smallest, largest, sampled)
