@@ -156,5 +156,6 @@ class LLMEngine:
             stop = self.outputs.update(req, result.sampled[req.request_id], result.logprobs.get(req.request_id))
             if stop is not None:  # a stop string wins over length/EOS in the same step
                 self.scheduler.finish_with_stop_string(req, stop)
-            touched[self.outputs.parent_id(req.request_id)] = None
+            if req.status.finished or self.outputs.streams(req.request_id):
+                touched[self.outputs.parent_id(req.request_id)] = None
         return [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]

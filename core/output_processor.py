@@ -122,6 +122,9 @@ class OutputProcessor:
     def parent_id(self, req_id: str) -> str | None:
         return self._parent_of.get(req_id)
 
+    def streams(self, req_id: str) -> bool:
+        return self._parents[self._parent_of[req_id]].stream
+
     def wants_output(self, parent_id: str) -> bool:
         """Streaming parents report every step; others only once all children finished."""
         parent = self._parents[parent_id]

@@ -55,7 +55,7 @@ def dummy_step(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
     """A batch of `num_reqs` requests sharing `num_tokens`, writing only the null block."""
     num_reqs = max(1, min(num_reqs, num_tokens))
     counts = np.full(num_reqs, num_tokens // num_reqs, np.int64)
-    counts[: num_tokens % num_reqs] += 1
+    counts[num_reqs - num_tokens % num_reqs:] += num_tokens % num_reqs > 0  # longer rows last (decode-first)
     cu = np.cumsum(counts)
     arange = np.arange(num_tokens) - np.repeat(cu - counts, counts)
     qsl = np.zeros(num_reqs + 1, np.int32)
@@ -269,9 +269,16 @@ class ModelRunner:
         scheduled = {s.request.request_id for s in so.scheduled}
         for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
             batch.remove(rid)  # preempted or not scheduled this step: state kept
+        index = batch.req_id_to_index
         for s in so.scheduled:
             req = s.request
             rid = req.request_id
+            row = index.get(rid)
+            if row is not None and not s.is_new:  # steady state: at most a new block
+                if s.new_block_ids:
+                    self.states[rid].block_ids.extend(s.new_block_ids)
+                    batch.block_table.append_row(row, s.new_block_ids)
+                continue
             state = self.states.get(rid)
             if state is None:
                 seed = req.params.seed
@@ -279,19 +286,13 @@ class ModelRunner:
                 state = self.states[rid] = RunnerRequestState(req, gen)
                 if req.params.prompt_logprobs is not None:
                     self.prompt_logprob_reqs.add(rid)
-            if s.is_new:
-                state.block_ids = list(s.new_block_ids)
-            else:
-                state.block_ids.extend(s.new_block_ids)
-            row = batch.req_id_to_index.get(rid)
-            if row is None:
-                batch.add(rid, req.prompt_token_ids, req.output_token_ids, req.num_computed_tokens,
-                          state.block_ids, dict(params=req.params, generator=state.generator,
-                                                bad_words_ids=req.bad_words_token_ids,
-                                                eos_token_ids=req.eos_token_ids))
-            else:
-                batch.block_table.append_row(row, s.new_block_ids)
-                batch.num_computed_tokens[row] = req.num_computed_tokens
+            state.block_ids = list(s.new_block_ids) if s.is_new else state.block_ids + s.new_block_ids
+            if row is not None:
+                batch.remove(rid)
+            batch.add(rid, req.prompt_token_ids, req.output_token_ids, req.num_computed_tokens,
+                      state.block_ids, dict(params=req.params, generator=state.generator,
+                                            bad_words_ids=req.bad_words_token_ids,
+                                            eos_token_ids=req.eos_token_ids))
         batch.condense()
 
     def _to_device(self, step: StepInputs) -> ModelInputs:

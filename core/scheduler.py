@@ -79,22 +79,29 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
 
         kept: list[Request] = []
+        threshold = self.config.long_prefill_token_threshold
+        block_size = self.kv.block_size
+        held_blocks = self.kv.blocks
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._num_new_tokens(req), budget)
-            if not chunked and n < req.num_tokens - req.num_computed_tokens:
+            remaining = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            n = min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
+            if not chunked and n < remaining:
                 i += 1
                 kept.append(req)
                 continue
-            new_blocks = self.kv.allocate(req, n)
-            while new_blocks is None and self.running[-1] is not req:
-                self._preempt(self.running.pop(), out)
+            if req.num_computed_tokens + n <= len(held_blocks[req.request_id]) * block_size:
+                new_blocks = []  # fast path: the step fits the blocks already held
+            else:
                 new_blocks = self.kv.allocate(req, n)
-            if new_blocks is None:  # nothing left to preempt but itself
-                self._preempt(self.running.pop(), out)
-                break
-            out.scheduled.append(ScheduledRequest(req, n, new_blocks, is_new=False))
+                while new_blocks is None and self.running[-1] is not req:
+                    self._preempt(self.running.pop(), out)
+                    new_blocks = self.kv.allocate(req, n)
+                if new_blocks is None:  # nothing left to preempt but itself
+                    self._preempt(self.running.pop(), out)
+                    break
+            out.scheduled.append(ScheduledRequest(req, n, new_blocks, False))
             budget -= n
             kept.append(req)
             i += 1
@@ -148,12 +155,14 @@ class Scheduler:
         """Advance progress, append sampled tokens, apply stop rules.
         Returns the scheduled requests that produced tokens (finished ones included)."""
         updated = []
+        cache = self.kv.cache_computed if self.kv.enable_prefix_caching else None
         for s in out.scheduled:
             req = s.request
             if req.status.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
-            self.kv.cache_computed(req)
+            if cache is not None:
+                cache(req)
             tokens = sampled.get(req.request_id)
             if not tokens:
                 continue  # partial prefill: nothing sampled yet
@@ -164,16 +173,18 @@ class Scheduler:
 
     def check_stop(self, req: Request) -> None:
         """max_tokens / max_model_len -> length; EOS / stop_token_ids -> stop."""
-        last = req.output_token_ids[-1]
+        outputs = req.output_token_ids
+        last = outputs[-1]
         params = req.params
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last in req.eos_token_ids:
+        n_out = len(outputs)
+        if n_out >= params.min_tokens:
+            if last in req.eos_token_ids and not params.ignore_eos:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, None)
                 return
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self._finish(req, RequestStatus.FINISHED_STOPPED, last)
                 return
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def finish_with_stop_string(self, req: Request, stop: str) -> None:

@@ -9,8 +9,9 @@ no visible device) instead of failing.
   batches are not padded and run eagerly. `runner.enforce_eager` turns padding
   and graphs off.
 - Graphs (`graphs.StaticGraphExecutor`): full-model CUDA graphs of decode-only
-  batches, captured largest first into one shared pool; prefill/mixed batches
-  and batches above the largest graph run eagerly.
+  batches per (batch size, context width 512/2048/8192 tokens), captured largest
+  first into one shared pool; prefill/mixed batches, batches above the largest
+  graph and contexts above `max_seq_len_to_capture` (8192) run eagerly.
 - KV budget: reset peak statistics, profile a max-size step, then
   total * memory_utilization - (torch peak incl. weights + non-torch memory);
   or `cache.kv_cache_memory_bytes`.

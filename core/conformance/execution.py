@@ -5,8 +5,6 @@ attention op agrees with the reference paged attention."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
@@ -152,7 +150,7 @@ def check_attention_matches_reference(ctx) -> str:
     """The backend's attention op gives the reference paged attention's output
     for the real tokens of a padded decode + prefill step."""
     from polyrunner.attention.reference import reference_paged_attention
-    from polyrunner.conformance.kv_cache import _attend, _write_step
+    from polyrunner.conformance.kv_cache import _attend, _HostDevice, _write_step
     backend = ctx.new_backend()
     spec = ctx.kv_spec()
     num_blocks = 24
@@ -165,9 +163,7 @@ def check_attention_matches_reference(ctx) -> str:
     _, step = _write_step(ctx, backend, num_blocks)
     layer = 0
     q, k, v, out, layer_spec = _attend(ctx, backend, step, caches, layer, np.random.default_rng(2))
-    host = SimpleNamespace(to_device=lambda a: torch.from_numpy(a) if isinstance(a, np.ndarray) else a,
-                           host_attention_extras=lambda s: {}, build_attention_extras=lambda m: None)
-    meta = model_inputs(host, step, ref_caches).attn
+    meta = model_inputs(_HostDevice(), step, ref_caches).attn
     ref = reference_paged_attention(q, k, v, ref_caches[layer], meta, layer_spec)
     T = step.num_tokens
     got = out.cpu()

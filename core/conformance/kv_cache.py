@@ -130,11 +130,11 @@ def _write_step(ctx, backend, num_blocks: int):
                        context_budget=10 * spec.block_size, min_decode_context=spec.block_size + 1)
     T, R = batch.num_step_tokens, batch.num_reqs
     policy = backend.bucket_policy(ctx.make_config(adjust=backend))
-    if policy.token_buckets or policy.request_buckets:
+    try:  # padded tokens always; a padded request too unless R is the largest request bucket
         T_pad, R_pad = policy.pad(T + 3, R + 1)
-    else:
-        T_pad, R_pad = T + 3, R + 1
-    return batch, batch.step(max(T_pad, T + 1), max(R_pad, R + 1))
+    except ValueError:
+        T_pad, R_pad = policy.pad(T + 3, R)
+    return batch, batch.step(max(T_pad, T + 3), max(R_pad, R))
 
 
 def _attend(ctx, backend, step, caches, layer: int, rng):
@@ -198,3 +198,69 @@ def check_slot_mapping_writes(ctx) -> str:
     for other in range(spec.num_layers - 1):
         expect(torch.equal(caches[other].cpu(), before[other]), f"attention on layer {layer} changed layer {other}")
     return f"{T} real + {len(step.slot_mapping) - T} padded tokens"
+
+
+def _allocator_leaves_garbage(backend, spec, num_blocks: int) -> bool:
+    """Does allocate_kv_cache hand out uninitialised memory? Allocate, fill with
+    NaN, free, allocate again: a zero-filling allocator shows zeros again."""
+    caches = backend.allocate_kv_cache(spec, num_blocks)
+    with torch.inference_mode():
+        for t in caches:
+            t.fill_(float("nan"))
+    del caches
+    again = backend.allocate_kv_cache(spec, num_blocks)
+    return any(bool((t[:, NULL_BLOCK + 1:].cpu() != 0).any()) for t in again)
+
+
+@check("kv_cache")
+def check_unwritten_slots_never_leak(ctx) -> str:
+    """Slots a step must not read (unwritten, stale, or past a request's length
+    inside its last block) do not reach real outputs: after writing the contexts,
+    every other non-null slot is poisoned (NaN when the allocator hands out
+    uninitialised memory, else large finite values) and the attention output
+    of the real tokens must be finite and equal the reference's."""
+    from polyrunner.attention.reference import reference_paged_attention
+    backend = ctx.new_backend()
+    spec = ctx.kv_spec()
+    num_blocks = 24
+    garbage = _allocator_leaves_garbage(backend, spec, num_blocks)
+    poison = float("nan") if garbage else 1.0e4
+    caches = backend.allocate_kv_cache(spec, num_blocks)
+    batch, step = _write_step(ctx, backend, num_blocks)
+    setup = batch.context_batch()
+    layer = 0
+    with torch.inference_mode():
+        caches[layer][:, NULL_BLOCK + 1:] = poison
+        T_s = setup.num_step_tokens
+        _attend(ctx, backend, setup.step(T_s, setup.num_reqs), caches, layer, np.random.default_rng(3))
+    before = caches[layer].cpu().clone()
+    q, k, v, out, layer_spec = _attend(ctx, backend, step, caches, layer, np.random.default_rng(4))
+    host = _HostDevice()
+    ref = reference_paged_attention(q, k, v, before, model_inputs(host, step, [before]).attn, layer_spec)
+    T = step.num_tokens
+    got = out.cpu()[:T]
+    expect(torch.isfinite(got).all().item(),
+           f"attention output of real tokens is not finite with {'NaN' if garbage else 'large'} values in "
+           "slots the step must not read (e.g. past a request's length in its last block): mask or zero "
+           "them before the value product" + (" (this allocator returns uninitialised memory)" if garbage else ""))
+    from polyrunner.conformance.execution import _close
+    ok, err, bound = _close(got, ref[:T], spec.dtype)
+    expect(ok, f"attention output of real tokens changed by {err:.3g} (> {bound:.3g}) when unread slots hold "
+               "garbage: the op reads slots outside the requests' contexts")
+    return f"poison={'NaN (allocator leaves memory uninitialised)' if garbage else '1e4 (allocator zero-fills)'}"
+
+
+class _HostDevice:
+    """The host as a 'device' for building reference metadata."""
+
+    @staticmethod
+    def to_device(a):
+        return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+    @staticmethod
+    def host_attention_extras(step):
+        return {}
+
+    @staticmethod
+    def build_attention_extras(meta):
+        return None

@@ -84,6 +84,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         visible = k_pos[None, :] < lens[:, None]                 # [d, L]
         if spec.sliding_window is not None:
             visible &= k_pos[None, :] > (lens[:, None] - 1 - spec.sliding_window)
+        # Slots past a request's length were never written (uninitialised memory,
+        # possibly NaN): zero them, a -inf score alone would still give 0 * NaN.
+        keep = visible[:, None, :, None]
+        keys = torch.where(keep, keys, 0)
+        values = torch.where(keep, values, 0)
         o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                            attn_mask=visible[:, None, None, :], scale=spec.scale,
                                            enable_gqa=gqa)
