@@ -85,6 +85,13 @@ class BlockPool:
                 self._free[block] = None
 
     # ---- prefix cache ---------------------------------------------------
+    def num_cached_prefix(self, keys: list[BlockKey]) -> int:
+        """How many leading `keys` are cached (takes no reference)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._block_of:
+            n += 1
+        return n
+
     def lookup(self, keys: list[BlockKey]) -> list[int]:
         """The cached blocks of the longest prefix of `keys`; takes a reference on each."""
         hits = []

@@ -214,7 +214,10 @@ class ModelRunner:
     def _execute_split(self, windows: list[tuple[int, int]], num_scheduled: np.ndarray) -> StepResult:
         """Run one step as several padded sub-batches. Each window's inputs and
         sampling rows come from its own rows of the persistent batch (the TPU
-        reference runner read rows 0..n-1 for every sub-batch)."""
+        reference runner read rows 0..n-1 for every sub-batch). Prompt logprobs
+        are not computed here: no static-shape backend supports them yet."""
+        if self.prompt_logprob_reqs:
+            raise NotImplementedError("prompt_logprobs in a step split into row windows")
         batch = self.batch
         sampled, discard, lists, num_tokens = [], [], [], 0
         for start, end in windows:

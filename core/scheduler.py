@@ -4,7 +4,9 @@ One token budget covers prefills and decodes alike (chunked prefill splits a
 long prompt over steps). Running requests go first, in arrival order; when the
 block pool runs dry the newest running request is preempted (its blocks freed,
 recomputed later). Waiting requests are admitted while budget, `max_num_seqs`
-and blocks allow.
+and blocks allow. With prefix caching, a waiting request whose prefix
+continues into blocks another request computes this step waits one step and
+then takes them from the cache, so a shared prefix is computed once.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         block_size = self.kv.block_size
         held_blocks = self.kv.blocks
+        caching = self.kv.enable_prefix_caching
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -102,6 +105,8 @@ class Scheduler:
                     self._preempt(self.running.pop(), out)
                     break
             out.scheduled.append(ScheduledRequest(req, n, new_blocks, False))
+            if caching:
+                self.kv.mark_computing(req, n)
             budget -= n
             kept.append(req)
             i += 1
@@ -113,8 +118,10 @@ class Scheduler:
                 break  # memory is short this step; admit nobody new
             req = self.waiting[0]
             if req.num_computed_tokens == 0:
-                req.num_computed_tokens = self.kv.take_cached_prefix(req)
-                req.num_cached_tokens = req.num_computed_tokens
+                hit = self.kv.take_cached_prefix(req)
+                if hit is None:
+                    break  # its prefix is being computed this step: hit it next step
+                req.num_computed_tokens = req.num_cached_tokens = hit
             n = min(self._num_new_tokens(req), budget)
             if not chunked and n < req.num_tokens - req.num_computed_tokens:
                 self._release_prefix(req)
@@ -127,6 +134,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, list(self.kv.blocks[req.request_id]), is_new=True))
+            if caching:
+                self.kv.mark_computing(req, n)
             budget -= n
         return out
 

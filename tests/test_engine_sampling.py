@@ -10,6 +10,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from polyrunner import LLM, SamplingParams
 
@@ -56,6 +57,15 @@ def _assert_clean(llm: LLM) -> None:
     assert not eng.has_unfinished_requests()
     assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_usable_blocks
     assert (eng.kv.pool.ref_cnt[1:] == 0).all()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models are all per-op overhead: one thread is fastest and immune to a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,16 @@ def test_policy_must_cover_the_token_budget():
         xla_bucket_policy(cfg)
 
 
+def test_strict_from_env(monkeypatch):
+    from polyrunner.backends.xla.executor import strict_from_env
+    monkeypatch.delenv("POLYRUNNER_XLA_STRICT", raising=False)
+    assert not strict_from_env()
+    monkeypatch.setenv("POLYRUNNER_XLA_STRICT", "1")
+    assert strict_from_env()
+    monkeypatch.setenv("POLYRUNNER_XLA_STRICT", "0")
+    assert not strict_from_env()
+
+
 def test_select_buckets():
     assert select_buckets(16, [8, 16, 32]) == [8, 16]
     assert select_buckets(64, [8, 16, 32]) == [8, 16, 32]

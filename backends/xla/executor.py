@@ -83,7 +83,8 @@ class XLAGraphExecutor(GraphExecutor):
         self.rng = np.random.default_rng(seed)
         self.compiled = 0            # graphs compiled by this executor's syncs
         self.warm = False            # True once every bucket is compiled
-        self.warmup_graphs = 0
+        self.warmup_pieces = 0       # (piece, shape) pairs precompiled
+        self.warmup_graphs = 0       # graphs those compiled (0 for shapes another engine compiled)
         self.warmup_seconds = 0.0
         self.serving_graphs = 0      # graphs compiled after warm-up (should stay 0)
         if enforce_eager and strict:
@@ -125,6 +126,7 @@ class XLAGraphExecutor(GraphExecutor):
             return
         tokens, reqs = buckets.token_buckets, buckets.request_buckets
         plan = len(tokens) + sum(len(select_buckets(t, reqs)) for t in tokens) + 4 * len(reqs)
+        self.warmup_pieces = plan
         start_graphs, t0 = self.compiled, time.perf_counter()
         bar = tqdm(total=plan, desc="XLA precompile", unit="graph", leave=False)
         hidden = None
@@ -150,8 +152,8 @@ class XLAGraphExecutor(GraphExecutor):
         self.warmup_graphs = self.compiled - start_graphs
         self.warmup_seconds = time.perf_counter() - t0
         self.warm = True
-        logger.info("xla: precompiled %d graphs (%d token x %d request buckets) in %.1f s",
-                    self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds)
+        logger.info("xla: precompiled %d pieces, %d new graphs (%d token x %d request buckets) in %.1f s",
+                    plan, self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds)
 
     # ---- pieces -------------------------------------------------------------------
     def run(self, inputs: ModelInputs) -> torch.Tensor:

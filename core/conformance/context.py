@@ -38,7 +38,7 @@ class ConformanceSettings:
     num_prompts: int = 6
     max_bucket_pairs: int = 8            # execution: buckets compared (smallest, largest, sampled)
     stream_requests: int = 10            # execution: random requests for the no-recompile stream
-    memory_runs: int = 4                 # hygiene: measured repeats after warm-up
+    memory_runs: int = 3                 # hygiene: measured repeats after warm-up
     seed: int = 0
     # (max_num_seqs, max_num_batched_tokens) combinations the bucket checks enumerate.
     bucket_configs: tuple[tuple[int, int], ...] = ((4, 64), (3, 20), (1, 8), (8, 200), (16, 512))

@@ -185,7 +185,7 @@ def check_slot_mapping_writes(ctx) -> str:
             t = int(bad.nonzero()[0])
             fail(f"token {t}'s {name} is not at slot {int(slots[t])} (block {int(slots[t]) // bs}, "
                  f"offset {int(slots[t]) % bs})")
-    changed = (after != expected).flatten(2).any(-1)              # [2, num_blocks, block_size]
+    changed = (after != expected).flatten(3).any(-1)              # [2, num_blocks, block_size]
     changed[:, NULL_BLOCK] = False
     if changed.any():
         kv, blk, off = (int(x) for x in changed.nonzero()[0])
@@ -226,6 +226,7 @@ def check_unwritten_slots_never_leak(ctx) -> str:
     garbage = _allocator_leaves_garbage(backend, spec, num_blocks)
     poison = float("nan") if garbage else 1.0e4
     caches = backend.allocate_kv_cache(spec, num_blocks)
+    _check_layers(ctx, backend, spec, num_blocks, caches, "cache")
     batch, step = _write_step(ctx, backend, num_blocks)
     setup = batch.context_batch()
     layer = 0

@@ -102,6 +102,7 @@ def check_available_here(ctx) -> str:
 def check_host_device_primitives(ctx) -> str:
     """select_backend() instantiates it; device, default dtype, transfers, RNG and memory info work."""
     import numpy as np
+    expect(not ctx.blocker(), ctx.blocker())
     b = ctx.new_backend()
     expect(isinstance(b.device, torch.device), f"device is {type(b.device).__name__}, not torch.device")
     expect(b.default_dtype in b.capabilities.dtypes,

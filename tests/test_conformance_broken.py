@@ -1,0 +1,215 @@
+"""The conformance suite must be able to fail: deliberately broken backends,
+registered at run time, are each caught by the check group that targets them
+(and the healthy CPU backend passes, through the CLI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrunner.attention.reference import reference_paged_attention, write_kv
+from polyrunner.backend import Availability, Capabilities, GraphExecutor
+from polyrunner.backends.cpu.plugin import CPUBackend
+from polyrunner.buckets import BucketPolicy, exponential_sizes
+from polyrunner.conformance import run_conformance
+from polyrunner.plugins import hookimpl, register
+from polyrunner.plugins.manager import unregister
+
+
+class _Plugin:
+    """A run-time plugin contributing one backend class."""
+
+    def __init__(self, cls) -> None:
+        self.cls = cls
+
+    @hookimpl
+    def polyrunner_backends(self):
+        return [self.cls]
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def add(cls):
+        name = f"conformance-test-{cls.name}"
+        register(_Plugin(cls), name=name)
+        names.append(name)
+        return cls.name
+
+    yield add
+    for name in names:
+        unregister(name)
+
+
+def _padded_policy(config) -> BucketPolicy:
+    s = config.scheduler
+    return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), list(range(1, s.max_num_seqs + 1)))
+
+
+# ---- broken backends ---------------------------------------------------------------
+class TooSmallBucketPolicy(BucketPolicy):
+    def pad(self, num_tokens, num_reqs):
+        """Bug: the largest bucket *below* n (bisect the wrong way)."""
+        tokens = max([b for b in self.token_buckets if b <= num_tokens], default=self.token_buckets[0])
+        reqs = max([b for b in self.request_buckets if b <= num_reqs], default=self.request_buckets[0])
+        return tokens, reqs
+
+
+class TooSmallBucketBackend(CPUBackend):
+    name = "broken_small_bucket"
+    priority = -100
+
+    def bucket_policy(self, config):
+        p = _padded_policy(config)
+        return TooSmallBucketPolicy(p.token_buckets, p.request_buckets)
+
+
+class WrongShapeKVBackend(CPUBackend):
+    name = "broken_kv_shape"
+    priority = -100
+
+    def allocate_kv_cache(self, spec, num_blocks):
+        """Bug: block axis first, K/V axis second."""
+        return [torch.zeros(num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size, dtype=spec.dtype)
+                for _ in range(spec.num_layers)]
+
+
+def _slots_from_tables(q, k, v, kv_cache, meta, spec):
+    """Bug: derives slots from block tables and positions instead of slot_mapping,
+    so padded tokens (request 0, position 0) overwrite request 0's first block."""
+    bs = kv_cache.shape[2]
+    req, pos = meta.token_to_req.long(), meta.positions
+    slots = meta.block_tables[req, pos // bs].long() * bs + pos % bs
+    write_kv(kv_cache, k, v, slots)
+    return reference_paged_attention(q, k, v, kv_cache, meta, spec)
+
+
+class NoNullBlockBackend(CPUBackend):
+    name = "broken_null_block"
+    priority = -100
+    attention = staticmethod(_slots_from_tables)
+
+    def bucket_policy(self, config):
+        return _padded_policy(config)
+
+
+class StaleReplayExecutor(GraphExecutor):
+    """Bug: 'replays' the first output computed for each padded shape."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.outputs = {}
+
+    def run(self, inputs):
+        key = tuple(inputs.input_ids.shape)
+        if key not in self.outputs:
+            self.outputs[key] = super().run(inputs).clone()
+        return self.outputs[key]
+
+
+class StaleReplayBackend(CPUBackend):
+    name = "broken_stale_replay"
+    priority = -100
+    capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=True)
+
+    def bucket_policy(self, config):
+        return _padded_policy(config)
+
+    def make_executor(self, model, config):
+        return StaleReplayExecutor(model)
+
+
+class LazyCompileExecutor(GraphExecutor):
+    """Bug: compiles on first sight of a shape instead of in prepare()."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.graphs = set()
+
+    def run(self, inputs):
+        self.graphs.add((int(inputs.input_ids.shape[0]), int(inputs.attn.num_padded_reqs)))
+        return super().run(inputs)
+
+    def num_graphs(self):
+        return len(self.graphs)
+
+
+class GrowingGraphsBackend(CPUBackend):
+    name = "broken_graph_count"
+    priority = -100
+    capabilities = Capabilities(graph_mode="torch_compile", counts_graphs=True)
+
+    def make_executor(self, model, config):
+        return LazyCompileExecutor(model)
+
+
+class RaisingProbeBackend(CPUBackend):
+    name = "broken_probe"
+    priority = -100
+
+    @classmethod
+    def probe(cls) -> Availability:
+        import not_a_real_device_library  # noqa: F401  (bug: imports the device library unguarded)
+        return Availability(True)
+
+
+# ---- the suite catches each one in its group -----------------------------------------
+BROKEN = [
+    (TooSmallBucketBackend, "buckets", ["pad_covers_every_legal_batch"]),
+    (WrongShapeKVBackend, "kv_cache", ["allocation_shape_dtype", "budget", "slot_mapping_writes"]),
+    (NoNullBlockBackend, "kv_cache", ["slot_mapping_writes"]),
+    (StaleReplayBackend, "execution", ["prepared_equals_eager"]),
+    (GrowingGraphsBackend, "execution", ["no_new_graphs_after_warmup"]),
+    (RaisingProbeBackend, "registration", ["probe_never_raises", "available_here"]),
+]
+
+
+@pytest.mark.parametrize("cls, group, failing", BROKEN, ids=[b[0].name for b in BROKEN])
+def test_broken_backend_is_caught_by_its_group(registered, cls, group, failing):
+    name = registered(cls)
+    report = run_conformance(name, groups=[group])
+    assert not report.passed
+    assert report.failed_groups() == {group}
+    failed = {r.name for r in report.failures()}
+    assert set(failing) <= failed, report.to_dict()
+    for r in report.failures():
+        assert r.detail  # every failure says what broke
+
+
+def test_null_block_failure_names_the_overwritten_block(registered):
+    report = run_conformance(registered(NoNullBlockBackend), checks=["kv_cache::slot_mapping_writes"])
+    detail = report.get("slot_mapping_writes").detail
+    assert report.get("slot_mapping_writes").outcome == "failed"
+    assert "request 0's block" in detail and "null block" in detail
+
+
+def test_healthy_variants_of_the_broken_plugins_pass(registered):
+    """Control: the same plumbing with the bug fixed passes the targeted groups,
+    so the failures above come from the bugs, not from the harness."""
+
+    class FixedPadded(CPUBackend):
+        name = "fixed_padded"
+        priority = -100
+        capabilities = Capabilities(graph_mode="eager", static_shapes=True)
+
+        def bucket_policy(self, config):
+            return _padded_policy(config)
+
+    report = run_conformance(registered(FixedPadded), groups=["buckets", "kv_cache", "execution"])
+    assert report.passed, [(r.id, r.detail) for r in report.failures()]
+
+
+def test_unknown_backend_fails_registration_and_blocks_the_rest():
+    report = run_conformance("no_such_backend", groups=["registration", "buckets"])
+    assert not report.passed
+    assert report.get("discovered").outcome == "failed"
+    assert all(r.outcome == "error" and "not registered" in r.detail for r in report.group("buckets"))
+
+
+def test_cli_exit_code_reports_a_broken_backend(registered, capsys):
+    from polyrunner.cli import main
+    rc = main(["conformance", "--backend", registered(TooSmallBucketBackend), "--group", "buckets"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "[buckets]" in out and "FAIL" in out and "FAILED:" in out

@@ -1,0 +1,77 @@
+"""Front-ends of the conformance suite: `polyrunner conformance` and the pytest plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_cpu_backend_passes(tmp_path, capsys):
+    """`polyrunner conformance --backend cpu`: exit 0, a table per group, the skipped
+    checks listed with the capability that excused them."""
+    from polyrunner.cli import main
+    from polyrunner.conformance.framework import GROUPS
+    report_file = tmp_path / "report.json"
+    rc = main(["conformance", "--backend", "cpu", "--json", str(report_file)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for group in GROUPS:
+        assert f"[{group}]" in out
+    assert "PASSED:" in out
+    assert "skipped (excused by declared capabilities):" in out
+    assert "execution::no_new_graphs_after_warmup: capabilities.counts_graphs=False" in out
+    data = json.loads(report_file.read_text())
+    assert data["passed"] and data["backend"] == "cpu"
+    assert {r["group"] for r in data["results"]} == set(GROUPS)
+
+
+def test_cli_lists_checks(capsys):
+    from polyrunner.cli import main
+    assert main(["conformance", "--backend", "cpu", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "buckets::pad_covers_every_legal_batch" in out
+    assert "execution::no_new_graphs_after_warmup" in out and "requires counts_graphs" in out
+
+
+def test_cli_unknown_backend_exits_nonzero(capsys):
+    from polyrunner.cli import main
+    assert main(["conformance", "--backend", "no_such_backend", "--group", "registration"]) == 1
+    assert "no plugin contributes a backend named 'no_such_backend'" in capsys.readouterr().out
+
+
+def test_cli_subprocess_with_runtime_plugin():
+    """The installed console script, registering the example plugin with --plugin."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "examples" / "custom_device_plugin" / "src"))
+    exe = Path(sys.executable).with_name("polyrunner")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "polyrunner.cli"]
+    proc = subprocess.run(cmd + ["conformance", "--plugin", "polyrunner_cpu_paged.plugin", "--backend",
+                                 "cpu_paged", "--group", "registration", "--group", "buckets"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[registration]" in proc.stdout and "[buckets]" in proc.stdout and "PASSED:" in proc.stdout
+
+
+def test_pytest_plugin_front_end(tmp_path):
+    """`pytest -p polyrunner.conformance.pytest_plugin --pyargs polyrunner.conformance --backend cpu`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
+         "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "registration",
+         "--conformance-group", "buckets", "-q", "-p", "no:cacheprovider", "-rs"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "10 passed" in proc.stdout
+
+
+def test_pytest_plugin_reports_capability_skips(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
+         "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "execution",
+         "-q", "-p", "no:cacheprovider", "-rs"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "excused: capabilities.counts_graphs=False" in proc.stdout

@@ -1,0 +1,49 @@
+"""The example device plugin (examples/custom_device_plugin) passes the whole
+conformance suite, registered at run time (or through its entry point when
+it is pip-installed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from polyrunner.conformance import format_report, run_conformance
+from polyrunner.plugins import register
+from polyrunner.plugins.manager import backend_classes, unregister
+
+SRC = Path(__file__).resolve().parents[1] / "examples" / "custom_device_plugin" / "src"
+
+
+@pytest.fixture(scope="module")
+def cpu_paged():
+    if "cpu_paged" in backend_classes():   # installed: the entry point already registers it
+        yield "cpu_paged"
+        return
+    sys.path.insert(0, str(SRC))
+    import polyrunner_cpu_paged.plugin as plugin
+    register(plugin, name="polyrunner_cpu_paged.plugin")
+    try:
+        yield "cpu_paged"
+    finally:
+        unregister("polyrunner_cpu_paged.plugin")
+        sys.path.remove(str(SRC))
+
+
+def test_example_plugin_passes_conformance(cpu_paged):
+    report = run_conformance(cpu_paged)
+    assert report.passed, format_report(report, verbose=True)
+    assert not [r for r in report.results if r.outcome == "skipped"]  # it declares counts_graphs
+
+
+def test_example_kv_layout_is_heads_major(cpu_paged):
+    import torch
+    from polyrunner.kv_spec import KVCacheSpec
+    from polyrunner_cpu_paged import kv_layout
+    spec = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=3, head_size=8, dtype=torch.float32)
+    (kv,) = kv_layout.allocate(spec, num_blocks=5)
+    assert tuple(kv.shape) == spec.layer_shape(5)
+    phys = kv_layout.physical(kv)
+    assert phys.is_contiguous() and tuple(phys.shape) == (2, 3, 5, 4, 8)
+    assert kv.data_ptr() % kv_layout.ALIGNMENT == 0
