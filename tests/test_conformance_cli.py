@@ -50,7 +50,7 @@ def test_cli_subprocess_with_runtime_plugin():
     exe = Path(sys.executable).with_name("polyrunner")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "polyrunner.cli"]
     proc = subprocess.run(cmd + ["conformance", "--plugin", "polyrunner_cpu_paged.plugin", "--backend",
-                                 "cpu_paged", "--group", "registration", "--group", "buckets"],
+                                 "cpu_paged", "--group", "registration", "--group", "buckets", "--threads", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[registration]" in proc.stdout and "[buckets]" in proc.stdout and "PASSED:" in proc.stdout
@@ -61,7 +61,8 @@ def test_pytest_plugin_front_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
          "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "registration",
-         "--conformance-group", "buckets", "-q", "-p", "no:cacheprovider", "-rs"],
+         "--conformance-group", "buckets", "--conformance-threads", "1", "-q", "-p", "no:cacheprovider",
+         "-rs"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "10 passed" in proc.stdout
@@ -71,7 +72,7 @@ def test_pytest_plugin_reports_capability_skips(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
          "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "execution",
-         "-q", "-p", "no:cacheprovider", "-rs"],
+         "--conformance-threads", "1", "-q", "-p", "no:cacheprovider", "-rs"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "excused: capabilities.counts_graphs=False" in proc.stdout

@@ -22,13 +22,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--list", action="store_true", help="list the checks and exit")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
     p.add_argument("--workdir", default=None, help="keep the tiny model and artefacts here")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the run (default: torch's; 1 is fastest on a busy machine)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes, full details")
     p.set_defaults(func=cmd_conformance)
 
 
 def register_plugin(spec: str) -> None:
-    """Register `module` or `module:attr` with the plugin manager."""
-    from polyrunner.plugins import register
+    """Register `module` or `module:attr` with the plugin manager (a no-op when
+    that object is already registered, e.g. through its installed entry point)."""
+    from polyrunner.plugins import get_plugin_manager, register
     module, _, attr = spec.partition(":")
     try:
         obj = importlib.import_module(module)
@@ -36,7 +39,8 @@ def register_plugin(spec: str) -> None:
             obj = getattr(obj, attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
-    register(obj, name=spec)
+    if not get_plugin_manager().is_registered(obj):
+        register(obj, name=spec)
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
@@ -44,6 +48,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     from polyrunner.conformance.report import MARK, format_report
     for spec in args.plugin:
         register_plugin(spec)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.list:
         for c in select_checks(args.group, args.check):
             req = f"  [requires {', '.join(c.requires)}]" if c.requires else ""

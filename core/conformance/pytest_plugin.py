@@ -4,7 +4,7 @@
 
 Options: `--backend NAME` (required to run anything), `--conformance-plugin
 MODULE[:ATTR]` (register a plugin at run time first; repeatable),
-`--conformance-group GROUP` (repeatable). Items are named
+`--conformance-group GROUP` (repeatable), `--conformance-threads N`. Items are named
 `test_conformance[<group>::<check>]`; a check excused by a declared
 capability is reported as skipped with that capability as the reason.
 
@@ -25,6 +25,8 @@ def pytest_addoption(parser) -> None:
                     help="register this polyrunner plugin at run time before the suite runs")
     group.addoption("--conformance-group", action="append", default=[], metavar="GROUP",
                     help="only run these check groups")
+    group.addoption("--conformance-threads", type=int, default=None, metavar="N",
+                    help="torch CPU threads for the suite")
 
 
 def pytest_configure(config) -> None:
@@ -48,6 +50,10 @@ def conformance_context(request):
     from polyrunner.conformance.context import ConformanceContext
     for spec in request.config.getoption("--conformance-plugin"):
         register_plugin(spec)
+    threads = request.config.getoption("--conformance-threads")
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     ctx = ConformanceContext(name)
     yield ctx
     ctx.close()

@@ -47,9 +47,13 @@ def iter_weights(folder: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, 
 def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
                max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """Build `model_cls` on `device` in `dtype` and load the folder's weights."""
-    with torch.device(device):
+    with torch.device("meta"):  # no random init: every parameter is loaded below
         model = model_cls(arch, attn_op, max_positions)
+    model.to_empty(device=device)
     for param in model.parameters():  # buffers (rotary tables) stay float32, like Hugging Face
         param.data = param.data.to(dtype)
+    for module in model.modules():  # recompute non-persistent buffers lost on the meta device
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
     model.load_weights(iter_weights(folder, dtype))
     return model.eval().requires_grad_(False)

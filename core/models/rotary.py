@@ -38,11 +38,21 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = inv_frequencies(head_dim, theta, scaling)
+        self._args = (head_dim, max_positions, theta, scaling)
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables for the buffers' device (after construction on `meta`)."""
+        head_dim, max_positions, theta, scaling = self._args
+        if self.cos.device.type == "meta":
+            return
+        inv_freq = inv_frequencies(head_dim, theta, scaling)  # on the host, then moved
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos = emb.cos().to(self.cos.device)
+        self.sin = emb.sin().to(self.sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

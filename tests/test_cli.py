@@ -1,0 +1,34 @@
+"""The command line: `generate` on the embedded model, and the `backends` table."""
+
+import subprocess
+import sys
+
+import pytest
+
+from polyrunner.cli import main
+
+
+def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polyrunner.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_default_model_names_paris():
+    pytest.importorskip("gguf")
+    proc = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_backends_table(capsys):
+    assert main(["backends"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["cpu"].split()[1] == "yes"
+    for name in ("cuda", "xla", "npu"):
+        assert rows[name].split()[1] == "no", rows[name]
+        assert len(rows[name].split()) > 4  # a reason is given
+
+
+def test_generate_reports_bad_model_cleanly(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
