@@ -24,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	$(VENV)/bin/polyrunner conformance --backend cpu
+	$(PIP) install -q -e examples/custom_device_plugin
+	$(VENV)/bin/polyrunner conformance --backend cpu_paged
 
 test-xla:
 	bash .ci/xla.sh

@@ -160,12 +160,14 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, or None."""
         return self._stop_str
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> str | None:
         """Append newly generated ids; return the stop string they completed, if any.
 
         On a hit the output is finished: `text` is final and later `update`
-        calls raise. Cost: one decode of the window (plus one when text is
-        committed), independent of the output length.
+        calls raise. `check_stop=False` appends without looking for stop
+        strings (vLLM: none counts before `min_tokens` output tokens). Cost: one
+        decode of the window (plus one when text is committed), independent of
+        the output length.
         """
         if self._final is not None:
             raise RuntimeError("IncrementalDetokenizer.update() after the output finished "
@@ -182,7 +184,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(p, n)
         pending = new_text[prefix_len:]
 
-        if self._stop:
+        if self._stop and check_stop:
             hit = self._find_stop(pending)
             if hit is not None:
                 self._finish_at_stop(pending, *hit)

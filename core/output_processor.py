@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from polyrunner.detokenizer import IncrementalDetokenizer, decode_token
 from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from polyrunner.request import Request
+from polyrunner.request import Request, RequestStatus
 
 
 @dataclass
@@ -71,8 +71,11 @@ class OutputProcessor:
             c.cumulative_logprob += logprobs[1][0]
         if c.detok is None:
             return None
-        stop = c.detok.update(new_ids)
-        return stop
+        params = req.params
+        if req.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # vLLM: the text of the stop token (EOS, stop_token_ids) is left out
+        # vLLM: stop strings count only once the output has more than min_tokens tokens
+        return c.detok.update(new_ids, check_stop=len(req.output_token_ids) > params.min_tokens)
 
     def make_logprobs(self, token_ids: list[int], logprobs: list[float], rank: int) -> PositionLogprobs:
         """First entry is the sampled (or actual) token with its rank; the rest are top-k."""
@@ -100,7 +103,8 @@ class OutputProcessor:
             outs.append(CompletionOutput(
                 index=c.index, text=text, token_ids=list(req.output_token_ids),
                 finish_reason=req.status.value if finished else None,
-                stop_reason=req.stop_reason, logprobs=c.logprobs,
+                stop_reason=req.stop_reason,
+                logprobs=None if c.logprobs is None else list(c.logprobs),  # a streamed output must not grow later
                 cumulative_logprob=c.cumulative_logprob))
         done = all(o.finished for o in outs)
         first = self._completions[parent.children[0]].request

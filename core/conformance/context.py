@@ -176,7 +176,7 @@ class ConformanceContext:
         if key == "preempt":
             return self.make_config(num_blocks_override=s.preempt_blocks, enable_prefix_caching=False)
         if key == "reference":
-            return self.make_config(REFERENCE_BACKEND, kv_cache_memory_bytes=budget, dtype="float32")
+            return self.make_config(REFERENCE_BACKEND, kv_cache_memory_bytes=budget)
         raise KeyError(key)
 
     def engine(self, key: str):
@@ -213,7 +213,8 @@ class ConformanceContext:
         return self.cache["prompts"]
 
     def reference_tokens(self) -> list[list[int]]:
-        """Greedy tokens of `prompts()` on the CPU reference backend (float32)."""
+        """Greedy tokens of `prompts()` on the CPU reference backend, in the dtype
+        the backend under test runs (float32 whenever it supports it)."""
         if "reference_tokens" not in self.cache:
             from polyrunner.sampling_params import SamplingParams
             params = SamplingParams(temperature=0.0, max_tokens=self.settings.max_tokens, ignore_eos=True)

@@ -1,0 +1,83 @@
+"""Run one benchmark workload on vLLM's CPU engine; prints one JSON line.
+
+Runs inside the vLLM venv (see benchmarks/compare.py, which sets it up and
+calls this file); loads the workload definitions by path so both runners get
+exactly the same requests.
+
+    python benchmarks/vllm_workload.py --model FOLDER --workload w1 [--eager] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _workloads():
+    spec = importlib.util.spec_from_file_location("_pr_workloads", ROOT / "core" / "bench" / "workloads.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_pr_workloads"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--workload", nargs="+", default=["w1", "w2", "w3"])
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    n = os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams
+
+    wl = _workloads()
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=args.eager, seed=0,
+              max_model_len=2048, max_num_seqs=64)
+    load_s = time.perf_counter() - t0
+
+    def run(prompts, max_tokens):
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        wall = time.perf_counter() - start
+        return wall, sum(len(o.outputs[0].token_ids) for o in outs), [o.outputs[0].token_ids for o in outs]
+
+    run([[5, 6, 7, 8]], 8)  # warm-up
+    for name in args.workload:
+        w = wl.make_workload(name)
+        run(w.prompts[:4], 8)
+        walls, ttfts, ntok, tokens = [], [], 0, None
+        for _ in range(args.repeats):
+            if name == "w3":
+                ttfts.append(run(w.prompts, 1)[0])
+            wall, ntok, tokens = run(w.prompts, w.max_tokens)
+            walls.append(wall)
+        wall = statistics.median(walls)
+        res = dict(runner="vllm-" + ("eager" if args.eager else "compiled"), workload=name, wall_s=wall,
+                   walls=walls, output_tokens=ntok, prompt_tokens=w.prompt_tokens,
+                   output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall,
+                   load_s=load_s, first_tokens=tokens[0][:16])
+        if name == "w2":
+            res["tpot_ms"] = wall / w.max_tokens * 1e3
+        if name == "w3":
+            ttft = statistics.median(ttfts)
+            res["ttft_ms"] = ttft * 1e3
+            res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The benchmark workloads, defined once (numpy only, so a foreign runner's
+venv can load this file by path and run exactly the same requests).
+
+All workloads: SmolLM2-135M-Instruct in bfloat16, greedy, ignore_eos.
+
+- w1 throughput: 64 requests, random prompts of length U[32, 512], 128 output tokens.
+- w2 decode-heavy: 8 requests, 32-token prompts, 512 output tokens.
+- w3 single stream: 1 request, 32-token prompt, 256 output tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+VOCAB = 49152
+# Token ids below this are avoided (special tokens of SmolLM2's tokenizer).
+MIN_TOKEN = 3
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    prompts: list[list[int]]
+    max_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.max_tokens * len(self.prompts)
+
+
+def _random_prompts(rng: np.random.Generator, lengths: list[int]) -> list[list[int]]:
+    return [rng.integers(MIN_TOKEN, VOCAB, size=n).tolist() for n in lengths]
+
+
+def make_workload(name: str) -> Workload:
+    rng = np.random.default_rng(0)
+    if name == "w1":
+        lengths = rng.integers(32, 513, size=64).tolist()
+        return Workload("w1", "W1 throughput (64 req, prompt U[32,512], 128 out)",
+                        _random_prompts(rng, lengths), 128)
+    if name == "w2":
+        return Workload("w2", "W2 decode-heavy (8 req, 32 prompt, 512 out)",
+                        _random_prompts(rng, [32] * 8), 512)
+    if name == "w3":
+        return Workload("w3", "W3 single stream (1 req, 32 prompt, 256 out)",
+                        _random_prompts(rng, [32]), 256)
+    raise ValueError(f"unknown workload {name!r}; expected w1, w2 or w3")
+
+
+WORKLOADS = ("w1", "w2", "w3")
