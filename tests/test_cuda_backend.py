@@ -409,6 +409,9 @@ def _random_decode_inputs(runner, B, W, seed):
     step.seq_lens = (pos + 1).astype(np.int32)
     step.max_seq_len = int(pos.max() + 1)
     step.slot_mapping = blocks[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
+    gen = torch.Generator().manual_seed(seed)
+    for cache in runner.kv_caches:  # the backend may leave KV memory uninitialised: give it values
+        cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(cache.dtype))
     return runner._to_device(step)
 
 

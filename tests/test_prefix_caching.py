@@ -197,10 +197,10 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=st.lists(request_st, min_size=2, max_size=8), pool=st.sampled_from(sorted(POOLS)))
-def test_no_leak_with_aborts_and_small_pools(engines, fresh_greedy, reqs, pool):
-    llm = engines[pool]
+def _drive(llm: LLM, fresh_greedy, reqs) -> tuple[bool, bool, int]:
+    """Run `reqs` (family, prefix length, suffix, max_tokens, abort step) through the
+    engine, checking ref counts every step and everything after. Returns whether
+    anything was preempted, whether the prefix cache hit, and how many were aborted."""
     eng = llm.engine
     for rid in list(eng.outputs._parents):  # a failed example leaves its requests behind
         eng.abort_request(rid)
@@ -230,9 +230,8 @@ def test_no_leak_with_aborts_and_small_pools(engines, fresh_greedy, reqs, pool):
         step += 1
         assert step < 500, "no progress"
         _assert_ref_counts(eng)
-    event(f"preempted: {eng.scheduler.num_preemptions > preemptions}")
-    event(f"prefix hits: {eng.kv.pool.stats.hit_tokens > hits}")
-    event(f"aborted: {len(ids) - len(finished)}")
+    preempted = eng.scheduler.num_preemptions > preemptions
+    hit = eng.kv.pool.stats.hit_tokens > hits
     eng.step()  # lets the runner drop aborted rows
     _assert_no_leak(llm)
     assert not eng.runner.states and eng.runner.batch.num_reqs == 0
@@ -244,19 +243,38 @@ def test_no_leak_with_aborts_and_small_pools(engines, fresh_greedy, reqs, pool):
 
     # cached blocks are reusable: a prompt run twice finds all its full blocks the second time
     if finished:
-        prompt, _ = prompts[list(finished)[-1]]
-        for run in range(2):
+        prompt, max_tokens = prompts[list(finished)[-1]]
+        sp = GREEDY.model_copy(update={"max_tokens": max_tokens})
+        for _ in range(2):
             before = eng.kv.pool.stats.hit_tokens
-            out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
-            assert out.outputs[0].token_ids == fresh_greedy(prompt)
+            out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == fresh_greedy(prompt)[:max_tokens]
             _assert_no_leak(llm)
         assert eng.kv.pool.stats.hit_tokens - before == (len(prompt) - 1) // BLOCK * BLOCK
         assert out.num_cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
 
     # and every block can still be handed out (cache entries are evicted, none is stuck)
-    pool_ = eng.kv.pool
-    blocks = pool_.allocate(pool_.num_usable_blocks)
-    assert sorted(blocks) == list(range(1, pool_.num_blocks))
-    assert pool_.num_cached_blocks() == 0
-    pool_.free(blocks)
+    pool = eng.kv.pool
+    blocks = pool.allocate(pool.num_usable_blocks)
+    assert sorted(blocks) == list(range(1, pool.num_blocks))
+    assert pool.num_cached_blocks() == 0
+    pool.free(blocks)
     _assert_no_leak(llm)
+    return preempted, hit, len(ids) - len(finished)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(request_st, min_size=2, max_size=8), pool=st.sampled_from(sorted(POOLS)))
+def test_no_leak_with_aborts_and_small_pools(engines, fresh_greedy, reqs, pool):
+    preempted, hit, aborted = _drive(engines[pool], fresh_greedy, reqs)
+    event(f"preempted: {preempted}")
+    event(f"prefix hits: {hit}")
+    event(f"aborted: {aborted}")
+
+
+def test_scenario_with_preemption_hits_and_aborts(engines, fresh_greedy):
+    """A fixed stream that surely preempts, hits the cache and aborts running requests."""
+    reqs = [(0, 17, [], 12, None), (1, 17, [], 12, 10), (2, 17, [], 12, None), (0, 17, [3], 12, None),
+            (1, 17, [3], 12, 12), (2, 17, [3], 12, 2)]
+    preempted, hit, aborted = _drive(engines["tiny"], fresh_greedy, reqs)
+    assert preempted and hit and aborted >= 2

@@ -89,7 +89,17 @@ class XLAGraphExecutor(GraphExecutor):
         self.serving_graphs = 0      # graphs compiled after warm-up (should stay 0)
         if enforce_eager and strict:
             logger.warning("xla: strict_no_recompile is ignored with enforce_eager")
-        self._sync("load_weights", ())  # materialise weights and buffers before counting buckets
+        self._settle("load_weights")
+
+    def _settle(self, piece: str) -> None:
+        """Materialise every weight and buffer. Weights loaded through views (fused
+        projections, `to_empty`) stay lazy `as_strided` views of their storage until
+        functionalization syncs them; left lazy, they would ride along in the first
+        compiled graph only, and its twin would compile again when serving."""
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if torch._is_functional_tensor(t):
+                torch._functionalize_sync(t)
+        self._sync(piece, ())
 
     # ---- graph accounting --------------------------------------------------------
     def _compile_count(self) -> int:
@@ -130,6 +140,7 @@ class XLAGraphExecutor(GraphExecutor):
         start_graphs, t0 = self.compiled, time.perf_counter()
         bar = tqdm(total=plan, desc="XLA precompile", unit="graph", leave=False)
         hidden = None
+        self._settle("settle")
         with _no_grad():
             for T in tokens:
                 bar.set_postfix_str(f"backbone T={T}")
@@ -148,6 +159,13 @@ class XLAGraphExecutor(GraphExecutor):
                 self._logprobs(logits, sampled)
                 del greedy
                 bar.update(4)
+            # Safety net: replay the first backbone. Anything left lazy before warm-up
+            # rode along in the first graph only; the twin compiles here, not when serving.
+            run_dummy(tokens[0], min(tokens[0], reqs[-1]))
+            absorbed = self.compiled - start_graphs - plan
+            if absorbed > 0:
+                logger.warning("xla: warm-up compiled %d extra graph(s) (state left lazy before "
+                               "warm-up); absorbed before serving", absorbed)
         bar.close()
         self.warmup_graphs = self.compiled - start_graphs
         self.warmup_seconds = time.perf_counter() - t0
