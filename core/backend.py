@@ -181,6 +181,10 @@ class Backend:
         profile()
         return max(0, int(free * config.cache.memory_utilization) - weights_bytes)
 
+    def num_kv_blocks(self, spec: KVCacheSpec, budget_bytes: int) -> int:
+        """Blocks whose allocation (`allocate_kv_cache`) fits `budget_bytes`."""
+        return spec.num_blocks_for(budget_bytes, self.kv_alignment_bytes)
+
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
         """One zeroed tensor per layer with logical shape `spec.layer_shape(num_blocks)`."""
         return [torch.zeros(spec.layer_shape(num_blocks), dtype=spec.dtype, device=self.device)

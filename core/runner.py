@@ -109,7 +109,7 @@ class ModelRunner:
             num_blocks = cache_cfg.num_blocks_override
         else:
             budget = self.backend.kv_cache_budget(self.config, weights, profile)
-            num_blocks = self.kv_spec.num_blocks_for(budget, self.backend.kv_alignment_bytes)
+            num_blocks = self.backend.num_kv_blocks(self.kv_spec, budget)
         if num_blocks < 2:
             raise ValueError(
                 f"KV cache budget holds {num_blocks} blocks of {self.kv_spec.page_size_bytes * self.kv_spec.num_layers} "

@@ -203,3 +203,18 @@ def test_engine_on_split_kv_layout(tmp_path):
         assert results["cpu"] == results["cpu-npu-layout"]
     finally:
         unregister("test-npu-layout")
+
+
+def test_split_kv_num_blocks_fit_the_budget():
+    """The NPU block count accounts for K and V rounding and address alignment."""
+    import torch
+    from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
+    from polyrunner.kv_spec import KVCacheSpec
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    for budget in (5 * ALIGNMENT * 2, 7 * ALIGNMENT * 2 + 12345, 3 * ALIGNMENT * 2):
+        n = split_kv_num_blocks(spec, budget)
+        assert n > 0
+        caches = allocate_split_kv(spec, n, "cpu")
+        used = sum(c.untyped_storage().nbytes() for c in caches)
+        assert used <= budget, (budget, n, used)
+        assert split_kv_num_blocks(spec, budget + ALIGNMENT * 2 * spec.num_layers) > n

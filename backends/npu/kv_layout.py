@@ -66,6 +66,16 @@ def split_kv_view(raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int,
                             (layout.half_bytes // layout.elem_bytes, bs * H * D, H * D, D, 1))
 
 
+def split_kv_num_blocks(spec: KVCacheSpec, budget_bytes: int, alignment: int = ALIGNMENT) -> int:
+    """Blocks whose split layout fits `budget_bytes`: per layer, K and V each
+    rounded up to the alignment, plus one alignment reserved in case the
+    allocator's address must be aligned by over-allocating."""
+    per_layer = budget_bytes // spec.num_layers - alignment
+    half = (per_layer // 2) // alignment * alignment
+    block_bytes = spec.page_size_bytes // 2
+    return max(0, half // block_bytes)
+
+
 def allocate_split_kv(spec: KVCacheSpec, num_blocks: int, device: torch.device | str,
                       alignment: int = ALIGNMENT) -> list[torch.Tensor]:
     """One aligned K|V buffer per layer, returned as logical views (zeroed)."""

@@ -35,7 +35,7 @@ from polyrunner.backend import Availability, Backend, Capabilities, GraphExecuto
 from polyrunner.backends.cuda.attention import STATIC_DECODE, attend_cached, sdpa_paged_attention
 from polyrunner.backends.cuda.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
                                              graph_bucket_policy, pinned_upload, profiled_kv_budget)
-from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv
+from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
 from polyrunner.buckets import BucketPolicy
 from polyrunner.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl
@@ -146,6 +146,9 @@ class NPUBackend(Backend):
 
     def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
         return profiled_kv_budget(torch.npu, config, weights_bytes, profile, "npu")
+
+    def num_kv_blocks(self, spec: KVCacheSpec, budget_bytes: int) -> int:
+        return split_kv_num_blocks(spec, budget_bytes, self.kv_alignment_bytes)
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
         return allocate_split_kv(spec, num_blocks, self._device, self.kv_alignment_bytes)

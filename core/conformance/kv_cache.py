@@ -85,7 +85,7 @@ def check_alignment(ctx) -> str:
 @check("kv_cache")
 def check_budget(ctx) -> str:
     """`kv_cache_budget` honours `kv_cache_memory_bytes`; the blocks
-    `KVCacheSpec.num_blocks_for(budget, kv_alignment_bytes)` buys fit the budget
+    `Backend.num_kv_blocks(spec, budget)` buys fit the budget
     when allocated (plus at most one alignment per layer to align addresses)."""
     backend = ctx.new_backend()
     align = backend.kv_alignment_bytes
@@ -100,9 +100,9 @@ def check_budget(ctx) -> str:
         got = backend.kv_cache_budget(cfg, 0, lambda: calls.append(1))
         expect(got == budget, f"kv_cache_budget returned {got} bytes with kv_cache_memory_bytes={budget}")
         expect(len(calls) <= 1, f"kv_cache_budget ran the profile {len(calls)} times")
-        n = spec.num_blocks_for(budget, align)
+        n = backend.num_kv_blocks(spec, budget)
         expect(n * spec.page_size_bytes * spec.num_layers <= budget,
-               f"num_blocks_for({budget}) = {n} blocks do not fit the budget")
+               f"num_kv_blocks({budget}) = {n} blocks do not fit the budget")
         if n < 2:
             continue
         caches = backend.allocate_kv_cache(spec, n)
