@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.backends.cuda.attention import STATIC_DECODE, paged_decode, sdpa_paged_attention
-from polyrunner.backends.cuda.graphs import (GraphAPI, GraphBucketPolicy, StaticGraphExecutor,
+from polyrunner.attention.batched import STATIC_DECODE, paged_decode, sdpa_paged_attention
+from polyrunner.graphs import (GraphAPI, GraphBucketPolicy, StaticGraphExecutor,
                                              graph_bucket_policy)
 from polyrunner.backends.cuda.plugin import CUDABackend
 from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig

@@ -18,7 +18,7 @@ import torch
 from polyrunner.attention.metadata import LayerSpec
 from polyrunner.attention.reference import reference_paged_attention, write_kv
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.backends.cuda.graphs import graph_bucket_policy
+from polyrunner.graphs import graph_bucket_policy
 from polyrunner.backends.npu import plugin as npu_plugin
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, SplitKVLayout, allocate_split_kv
 from polyrunner.backends.npu.plugin import NPUBackend, explain_capture_error, npu_paged_attention

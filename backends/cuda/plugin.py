@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.backends.cuda.attention import sdpa_paged_attention
-from polyrunner.backends.cuda.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
+from polyrunner.attention.batched import sdpa_paged_attention
+from polyrunner.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
                                              graph_bucket_policy, pinned_upload, profiled_kv_budget)
 from polyrunner.buckets import BucketPolicy
 from polyrunner.plugins import hookimpl

@@ -32,8 +32,8 @@ import torch
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.backends.cuda.attention import STATIC_DECODE, attend_cached, sdpa_paged_attention
-from polyrunner.backends.cuda.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
+from polyrunner.attention.batched import STATIC_DECODE, attend_cached, sdpa_paged_attention
+from polyrunner.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
                                              graph_bucket_policy, pinned_upload, profiled_kv_budget)
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
 from polyrunner.buckets import BucketPolicy

@@ -1,8 +1,7 @@
-"""Stream-graph machinery shared by the CUDA and Ascend backends.
-
-torch.cuda and torch_npu's torch.npu mirror each other (graphs, pools, events,
-streams, memory statistics), so everything here takes the device module or a
-small `GraphAPI` and never imports a device library itself.
+"""Stream-graph machinery for backends whose device module follows the CUDA
+API (graphs, memory pools, events, streams, memory statistics): the CUDA and
+Ascend backends pass their device module or a small `GraphAPI`; nothing here
+imports a device library.
 
 - `graph_bucket_policy`: capture sizes `[1, 2, 4, 8, 16, 24, ...]` on both
   axes up to `min(max_num_seqs, 512, max_num_batched_tokens)`; a batch above
@@ -36,7 +35,7 @@ import torch
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.buckets import BucketPolicy, capture_sizes
-from polyrunner.backends.cuda.attention import STATIC_DECODE
+from polyrunner.attention.batched import STATIC_DECODE
 
 logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
@@ -97,7 +96,7 @@ class GraphAPI:
 
 
 class TorchGraphAPI(GraphAPI):
-    """torch.cuda.CUDAGraph / torch.npu.NPUGraph: the same API under another module."""
+    """A device module's graph class and capture context (CUDA-style API)."""
 
     def __init__(self, mod: Any, graph_class: str, name: str) -> None:
         self.mod, self.graph_class, self.name = mod, graph_class, name

@@ -1,7 +1,7 @@
 """Paged attention on torch SDPA/matmul: batched decode, per-request prefill.
 
-Device-agnostic (plain torch), so it runs and is tested on CPU tensors; the
-CUDA backend uses it as its fast path, the NPU backend inside ACL graphs.
+Device-agnostic (plain torch), so it runs and is tested on CPU tensors;
+backends use it as their fast path (and inside captured graphs).
 Same contract as `reference_paged_attention`: write this step's k/v into
 their slots, then attend each request's queries to its cached context;
 returns `[T_pad, Hq, D]`.
