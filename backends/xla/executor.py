@@ -137,10 +137,11 @@ class XLAGraphExecutor(GraphExecutor):
         tokens, reqs = buckets.token_buckets, buckets.request_buckets
         plan = len(tokens) + sum(len(select_buckets(t, reqs)) for t in tokens) + 4 * len(reqs)
         self.warmup_pieces = plan
-        start_graphs, t0 = self.compiled, time.perf_counter()
+        t0 = time.perf_counter()
+        self._settle("settle")
+        start_graphs = self.compiled
         bar = tqdm(total=plan, desc="XLA precompile", unit="graph", leave=False)
         hidden = None
-        self._settle("settle")
         with _no_grad():
             for T in tokens:
                 bar.set_postfix_str(f"backbone T={T}")
@@ -154,10 +155,9 @@ class XLAGraphExecutor(GraphExecutor):
                 sel = self._dev(torch.zeros(R, hidden.shape[1], dtype=hidden.dtype))
                 logits = self._logits(sel)
                 dummy = _dummy_sampling(R, logits.shape[1])
-                greedy = self._sample(logits, dummy, all_greedy=True)
+                self._sample(logits, dummy, all_greedy=True)
                 sampled = self._sample(logits, dummy, all_greedy=False)
                 self._logprobs(logits, sampled)
-                del greedy
                 bar.update(4)
             # Safety net: replay the first backbone. Anything left lazy before warm-up
             # rode along in the first graph only; the twin compiles here, not when serving.
