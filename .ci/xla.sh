@@ -37,4 +37,4 @@ export TOKENIZERS_PARALLELISM=false
 check() { echo "+ $*"; "$@"; }
 
 check "$PY" -m pytest -q tests/test_xla*.py
-# check "$VENV/bin/polyrunner" conformance --backend xla
+check "$VENV/bin/polyrunner" conformance --backend xla

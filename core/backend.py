@@ -208,6 +208,11 @@ class Backend:
         graph depends on the token padding only."""
         return {}
 
+    def no_grad(self):
+        """The grad-free context every forward runs under (inference_mode by
+        default; a device whose tracer cannot take inference tensors returns no_grad)."""
+        return torch.inference_mode()
+
     # ---- graphs ---------------------------------------------------------
     def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
         return GraphExecutor(model)
@@ -227,6 +232,11 @@ class Backend:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
+
+    @property
+    def memory_is_host(self) -> bool:
+        """The device computes in host memory (its `memory_info` is the host's)."""
+        return self.device.type == "cpu"
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the memory the KV cache lives in."""

@@ -136,6 +136,7 @@ class LLMEngine:
         for child in self.outputs.children(request_id):
             self.scheduler.abort(child)
         self.outputs.drop(request_id)
+        self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -158,4 +159,12 @@ class LLMEngine:
                 self.scheduler.finish_with_stop_string(req, stop)
             if req.status.finished or self.outputs.streams(req.request_id):
                 touched[self.outputs.parent_id(req.request_id)] = None
-        return [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
+        outs = [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
+        self._release_if_idle()
+        return outs
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to run, hand finished ids to the runner now (instead
+        of on the next step) so an idle engine holds no per-request state."""
+        if not self.has_unfinished_requests():
+            self.runner.execute(self.scheduler.schedule())

@@ -79,12 +79,13 @@ class LLM:
                         ) -> Iterator[RequestOutput]:
         """Yield partial outputs (cumulative text and tokens) as tokens arrive."""
         prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-        ids = [self.engine.add_request(p, sp, stream=True) for p, sp in
-               zip(prompt_list, _broadcast(sampling_params, len(prompt_list)))]
-        try:
+        ids: list[str] = []
+        try:  # a bad prompt, or a caller that stops early, must not leak KV blocks
+            for p, sp in zip(prompt_list, _broadcast(sampling_params, len(prompt_list))):
+                ids.append(self.engine.add_request(p, sp, stream=True))
             while self.engine.has_unfinished_requests():
                 yield from self.engine.step()
-        finally:  # a caller that stops early must not leak KV blocks
+        finally:
             for rid in ids:
                 self.engine.abort_request(rid)
 

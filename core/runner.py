@@ -127,7 +127,7 @@ class ModelRunner:
         if (T_pad, R_pad) != (step.num_tokens, step.num_reqs):
             step = _pad_dummy(step, T_pad, R_pad)
         inputs = self._to_device(step)
-        with torch.inference_mode():
+        with self.backend.no_grad():
             hidden = self.executor.run(inputs)
         return hidden
 
@@ -149,7 +149,7 @@ class ModelRunner:
         T_pad, R_pad = self.buckets.pad(T, R)
         step = prepare_inputs(batch, num_scheduled, T_pad, R_pad)
         inputs = self._to_device(step)
-        with torch.inference_mode():
+        with self.backend.no_grad():
             hidden = self.executor.run(inputs)
             out = self.executor.sample(hidden, inputs, batch, slice(0, R), step.discard, self.sampler)
             prompt_lps = self._prompt_logprobs(hidden, step, num_scheduled) if self.prompt_logprob_reqs else {}
@@ -225,7 +225,7 @@ class ModelRunner:
             T_pad, R_pad = self.buckets.pad(int(counts.sum()), end - start)
             step = prepare_inputs(_RowWindow(batch, start, end), counts, T_pad, R_pad)
             inputs = self._to_device(step)
-            with torch.inference_mode():
+            with self.backend.no_grad():
                 hidden = self.executor.run(inputs)
                 out = self.executor.sample(hidden, inputs, batch, slice(start, end), step.discard,
                                            self.sampler)

@@ -113,8 +113,6 @@ def test_closing_a_held_stream_frees_every_block(llm, requests):
     _assert_clean(llm)
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.generate_stream adds the prompts before the bad one and "
-                                       "never aborts them (core/llm.py)")
 def test_invalid_prompt_in_a_stream_leaves_nothing_behind(llm, requests):
     bad = SamplingParams(stop_token_ids=[10_000])
     with pytest.raises(ValueError):

@@ -1,14 +1,86 @@
-"""CPU paged attention: batched decode over gathered contexts, SDPA per prefill."""
+"""CPU paged attention: a C++ kernel for decodes, SDPA per prefill.
+
+One kernel call per layer writes the step's keys/values into their slots and
+attends every decode request (the leading `num_decodes` rows) straight from
+the cache blocks: no per-layer gather of the context. Prefill requests (rows
+after the decodes, many queries each) go through `scaled_dot_product_attention`
+(oneDNN/AMX matmuls): a fresh prompt attends its own k/v with `is_causal`; a
+chunk with earlier context gathers that request's blocks once.
+
+Inside `torch.compile` (decode-only batches, see `plugin.py`) the kernel is the
+custom op `polyrunner_cpu::paged_attention` over all (padded) requests.
+Without the kernel (no C++ compiler, float16) this is the reference attention.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.nn.functional as F
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.attention.reference import reference_paged_attention
+from polyrunner.attention.reference import causal_mask, reference_paged_attention
+from polyrunner.backends.cpu import kernels
+
+logger = logging.getLogger(__name__)
+_warned = False
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv_cache: torch.Tensor, meta: AttentionMetadata,
                         spec: LayerSpec) -> torch.Tensor:
-    return reference_paged_attention(q, k, v, kv_cache, meta, spec)
+    """Same contract as `reference_paged_attention`; padded rows are zero."""
+    window = spec.sliding_window or 0
+    if torch.compiler.is_compiling():
+        out = torch.zeros_like(q)
+        kernels.paged_attention_op(q, k, v, kv_cache, meta.slot_mapping, meta.query_start_loc,
+                                   meta.seq_lens, meta.block_tables, out, spec.scale, window)
+        return out
+    if not kernels.kernel_supports(q, kv_cache):
+        global _warned
+        if not _warned:
+            _warned = True
+            logger.warning("CPU attention kernel not used (dtype %s or kernel unavailable): "
+                           "falling back to the reference attention", q.dtype)
+        return reference_paged_attention(q, k, v, kv_cache, meta, spec)
+    T = meta.num_actual_tokens
+    out = torch.empty_like(q)
+    if out.shape[0] > T:
+        out[T:].zero_()
+    nd, R = meta.num_decodes, meta.num_reqs
+    kernels.call_kernel(q, k, v, kv_cache, meta.slot_mapping, meta.num_padded_tokens,
+                        meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
+                        0, nd, spec.scale, window)
+    if R > nd:
+        _prefill(q, k, v, kv_cache, meta, spec, out, nd, R)
+    return out
+
+
+def _prefill(q, k, v, kv_cache, meta, spec, out, first: int, last: int) -> None:
+    """SDPA for requests [first, last), each with its own causal (bottom-right) mask."""
+    qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
+    block_size = kv_cache.shape[2]
+    gqa = spec.num_heads != spec.num_kv_heads
+    window = spec.sliding_window
+    for r in range(first, last):
+        start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        nq = end - start
+        if nq <= 0:
+            continue
+        if seq_len == nq:  # the whole context is this step's tokens
+            ck, cv = k[start:end], v[start:end]
+        else:
+            nb = -(-seq_len // block_size)
+            blocks = meta.block_tables[r, :nb].long()
+            ck = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+            cv = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+        mask, causal = None, False
+        if seq_len == nq and (window is None or window >= seq_len):
+            causal = True
+        else:
+            mask = causal_mask(nq, seq_len, window, q.device)
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=gqa)
+        out[start:end] = o.transpose(0, 1)

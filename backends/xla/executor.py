@@ -142,7 +142,7 @@ class XLAGraphExecutor(GraphExecutor):
         start_graphs = self.compiled
         bar = tqdm(total=plan, desc="XLA precompile", unit="graph", leave=False)
         hidden = None
-        with _no_grad():
+        with no_grad_not_inference():
             for T in tokens:
                 bar.set_postfix_str(f"backbone T={T}")
                 hidden = run_dummy(T, min(T, reqs[-1]))
@@ -175,7 +175,7 @@ class XLAGraphExecutor(GraphExecutor):
 
     # ---- pieces -------------------------------------------------------------------
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        with _no_grad():
+        with no_grad_not_inference():
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
             self._sync("backbone", {"tokens": int(inputs.input_ids.shape[0])})
         return hidden
@@ -209,7 +209,7 @@ class XLAGraphExecutor(GraphExecutor):
     def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice,
                discard: np.ndarray, sampler) -> SamplerOutput:
         """Sample the rows `rows` of the persistent batch over all `R_pad` padded rows."""
-        with _no_grad():
+        with no_grad_not_inference():
             return self._sample_rows(hidden, inputs, batch, rows)
 
     def _sample_rows(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice) -> SamplerOutput:
@@ -243,7 +243,7 @@ class XLAGraphExecutor(GraphExecutor):
 
 
 @contextlib.contextmanager
-def _no_grad():
+def no_grad_not_inference():
     """no_grad instead of the runner's inference_mode: torch_xla's functionalization
     cannot handle inference tensors ("Cannot set version_counter for inference tensor")."""
     with torch.inference_mode(False), torch.no_grad():

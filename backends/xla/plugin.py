@@ -163,6 +163,11 @@ class XLABackend(Backend):
         return {TOKEN_BLOCK_TABLES: tables}
 
     # ---- graphs -------------------------------------------------------------------
+    def no_grad(self):
+        """torch_xla's functionalization cannot take inference tensors."""
+        from polyrunner.backends.xla.executor import no_grad_not_inference
+        return no_grad_not_inference()
+
     def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
         from polyrunner.backends.xla.executor import XLAGraphExecutor, strict_from_env
         return XLAGraphExecutor(model, self.device,
@@ -187,6 +192,10 @@ class XLABackend(Backend):
         g = torch.Generator()
         g.manual_seed(seed)
         return g
+
+    @property
+    def memory_is_host(self) -> bool:
+        return not self.on_tpu
 
     def memory_info(self) -> tuple[int, int]:
         if self.on_tpu:

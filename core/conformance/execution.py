@@ -123,7 +123,7 @@ def check_prepared_equals_eager(ctx) -> str:
                            max_model_len=runner.max_model_len, num_blocks=runner.num_blocks,
                            context_budget=min(s.max_num_batched_tokens, top_t))
         setup = batch.context_batch()
-        with torch.inference_mode():
+        with runner.backend.no_grad():
             if setup is not None:  # write the contexts through the prepared path
                 step = setup.step(*policy.pad(setup.num_step_tokens, setup.num_reqs))
                 executor.run(runner._to_device(step))
@@ -156,7 +156,7 @@ def check_attention_matches_reference(ctx) -> str:
     num_blocks = 24
     caches = backend.allocate_kv_cache(spec, num_blocks)
     gen = torch.Generator().manual_seed(ctx.settings.seed + 5)
-    with torch.inference_mode():
+    with backend.no_grad():
         for t in caches:
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     ref_caches = [t.cpu().clone().contiguous() for t in caches]

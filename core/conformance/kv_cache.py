@@ -147,7 +147,7 @@ def _attend(ctx, backend, step, caches, layer: int, rng):
     q = torch.randn(T_pad, a.num_heads, a.head_dim, generator=gen).to(spec.dtype)
     k = torch.randn(T_pad, a.num_kv_heads, a.head_dim, generator=gen).to(spec.dtype)
     v = torch.randn(T_pad, a.num_kv_heads, a.head_dim, generator=gen).to(spec.dtype)
-    with torch.inference_mode():
+    with backend.no_grad():
         out = backend.attention(backend.to_device(q), backend.to_device(k), backend.to_device(v),
                                 caches[layer], inputs.attn, layer_spec)
     backend.synchronize()
@@ -164,7 +164,7 @@ def check_slot_mapping_writes(ctx) -> str:
     caches = backend.allocate_kv_cache(spec, num_blocks)
     _check_layers(ctx, backend, spec, num_blocks, caches, "write cache")
     gen = torch.Generator().manual_seed(ctx.settings.seed)
-    with torch.inference_mode():
+    with backend.no_grad():
         for t in caches:  # known noise everywhere, so any stray write shows
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     before = [t.cpu().clone() for t in caches]
@@ -204,7 +204,7 @@ def _allocator_leaves_garbage(backend, spec, num_blocks: int) -> bool:
     """Does allocate_kv_cache hand out uninitialised memory? Allocate, fill with
     NaN, free, allocate again: a zero-filling allocator shows zeros again."""
     caches = backend.allocate_kv_cache(spec, num_blocks)
-    with torch.inference_mode():
+    with backend.no_grad():
         for t in caches:
             t.fill_(float("nan"))
     del caches
@@ -230,7 +230,7 @@ def check_unwritten_slots_never_leak(ctx) -> str:
     batch, step = _write_step(ctx, backend, num_blocks)
     setup = batch.context_batch()
     layer = 0
-    with torch.inference_mode():
+    with backend.no_grad():
         caches[layer][:, NULL_BLOCK + 1:] = poison
         T_s = setup.num_step_tokens
         _attend(ctx, backend, setup.step(T_s, setup.num_reqs), caches, layer, np.random.default_rng(3))

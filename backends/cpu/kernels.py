@@ -1,0 +1,139 @@
+"""Build and load the CPU paged-attention kernel (`paged_attention.cpp`).
+
+The kernel is plain C++ compiled once per (source, compiler, CPU) into
+`~/.cache/polyrunner/cpu_kernels/` (about a second with g++) and called
+through ctypes with raw pointers. Without a C++ compiler, or with
+`POLYRUNNER_CPU_KERNELS=0`, `paged_attention_kernel()` returns None and the
+backend falls back to the reference attention (with a warning).
+
+`paged_attention(...)` is also registered as the torch custom op
+`polyrunner_cpu::paged_attention` (mutating the KV cache and the output), so a
+`torch.compile`d model keeps it as one opaque call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("POLYRUNNER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "polyrunner")
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(compiler: str) -> Path:
+    src = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_signature().encode())
+    target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent builders agree on the result
+    return target
+
+
+def paged_attention_kernel() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it on first use; None when unavailable."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("POLYRUNNER_CPU_KERNELS", "1") == "0":
+            return None
+        compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if compiler is None:
+            logger.warning("no C++ compiler found: the CPU backend uses the slow reference attention")
+            return None
+        try:
+            torch.set_num_threads(torch.get_num_threads())  # load torch's OpenMP runtime first
+            lib = ctypes.CDLL(str(_build(compiler)))
+            fn = lib.pr_paged_attention
+            fn.restype = ctypes.c_int
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                           ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64]
+            _lib = lib
+        except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
+            logger.warning("CPU attention kernel unavailable (%s): using the reference attention", exc)
+            _lib = None
+        return _lib
+
+
+def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (q.dtype in DTYPES and kv_cache.dtype == q.dtype and kv_cache.is_contiguous()
+            and paged_attention_kernel() is not None)
+
+
+def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, num_write: int, query_start_loc: torch.Tensor,
+                seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
+                r_begin: int, r_end: int, scale: float, window: int) -> None:
+    """Write `num_write` tokens' k/v into their slots, then attend requests
+    [r_begin, r_end) into `out`. Tensors as in `paged_attention.cpp`; q, k, v and
+    out need unit stride on the head dim and head stride D."""
+    _, NB, bs, Hkv, D = kv_cache.shape
+    Hq = q.shape[1]
+    for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
+        if t.stride(-1) != 1 or t.stride(-2) != D:
+            raise ValueError(f"{name} must have unit stride on the last dim and head stride {D}")
+    rc = _lib.pr_paged_attention(
+        DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        kv_cache.data_ptr(), NB, bs, Hq, Hkv, D, slot_mapping.data_ptr(), num_write,
+        query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window)
+    if rc != 0:
+        raise RuntimeError(f"CPU paged attention kernel failed (code {rc})")
+
+
+@torch.library.custom_op("polyrunner_cpu::paged_attention", mutates_args=("kv_cache", "out"))
+def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_tables: torch.Tensor, out: torch.Tensor, scale: float, window: int) -> None:
+    """All tokens written, all requests attended (padded requests have seq_len 0)."""
+    call_kernel(q, k, v, kv_cache, slot_mapping, slot_mapping.shape[0], query_start_loc, seq_lens,
+                block_tables, out, 0, seq_lens.shape[0], scale, window)
+
+
+@paged_attention_op.register_fake
+def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, out, scale, window):
+    return None
