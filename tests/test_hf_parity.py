@@ -52,3 +52,28 @@ def test_greedy_matches_transformers(tiny_model_factory, kind, variant):
         assert out.outputs[0].token_ids == _hf_greedy(hf, p, max_new), f"{kind}/{variant} prompt len {len(p)}"
         assert out.outputs[0].finish_reason == "length"
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_logits_match_transformers(tiny_model_factory, kind):
+    """Every prompt position's logits equal transformers' within 1e-4 relative error."""
+    folder, hf = tiny_model_factory(kind)
+    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=4)
+    runner = llm.engine.runner
+    captured = []
+    run = runner.executor.run
+    runner.executor.run = lambda inputs: captured.append((run(inputs), inputs.attn.num_actual_tokens)) or captured[-1][0]
+    prompts = _prompts(n=3, seed=1)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1),
+                 use_tqdm=False)
+    hidden, T = captured[0]  # one prefill step holds all three prompts
+    assert T == sum(map(len, prompts))
+    ours = runner.model.compute_logits(hidden[:T])
+    start = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].float()
+        got = ours[start:start + len(p)]
+        rel = (got - ref).abs().max() / ref.abs().max()
+        assert rel < 1e-4, f"{kind}: relative error {rel:.2e}"
+        start += len(p)
