@@ -66,7 +66,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    inputs = [args.message] if args.message else None
+    inputs = list(args.message) if args.message else None
     while True:
         if inputs is not None:
             if not inputs:

@@ -32,3 +32,22 @@ def test_backends_table(capsys):
 def test_generate_reports_bad_model_cleanly(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_chat_one_shot_message():
+    pytest.importorskip("gguf")
+    proc = run_cli("chat", "--message", "What is the capital of France? Answer in one word.",
+                   "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_chat_applies_the_model_template():
+    from polyrunner import LLM, SamplingParams
+    llm = LLM(max_model_len=512, max_num_seqs=2)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = llm.tokenizer.apply_chat_template(messages)
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4))[0]
+    assert out.prompt == text
+    assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
