@@ -33,13 +33,15 @@ class NoOpModel(torch.nn.Module):
         self.arch = arch
         self.rotary = torch.nn.Identity()
         self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.logits = torch.zeros(1, arch.vocab_size)
-        self.logits[0, 7] = 1.0
+        self.logits = None  # built on first use (the model is constructed on the meta device)
 
     def forward(self, input_ids, positions, meta, kv_caches):
         return torch.zeros(input_ids.shape[0], 1)
 
     def compute_logits(self, hidden):
+        if self.logits is None:
+            self.logits = torch.zeros(1, self.arch.vocab_size)
+            self.logits[0, 7] = 1.0
         return self.logits.repeat(hidden.shape[0], 1)
 
     def load_weights(self, weights):

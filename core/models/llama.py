@@ -101,7 +101,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: DecoderArch, attn_op: AttentionOp, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # `_weight` skips the random init (which, on the meta device, would import torch._dynamo)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_op, rotary) for i in range(arch.num_layers))
