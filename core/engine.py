@@ -157,7 +157,7 @@ class LLMEngine:
             stop = self.outputs.update(req, result.sampled[req.request_id], result.logprobs.get(req.request_id))
             if stop is not None:  # a stop string wins over length/EOS in the same step
                 self.scheduler.finish_with_stop_string(req, stop)
-            if req.status.finished or self.outputs.streams(req.request_id):
+            if req.finished or req.request_id in self.outputs.streaming:
                 touched[self.outputs.parent_id(req.request_id)] = None
         outs = [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
         self._release_if_idle()

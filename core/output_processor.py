@@ -36,11 +36,14 @@ class OutputProcessor:
         self._completions: dict[str, _Completion] = {}
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}
+        self.streaming: set[str] = set()   # child ids whose parent streams
 
     def add(self, parent_id: str, children: list[Request], stream: bool = False) -> None:
         first = children[0]
         self._parents[parent_id] = _Parent(parent_id, first.prompt, first.prompt_token_ids,
                                            [c.request_id for c in children], stream)
+        if stream:
+            self.streaming.update(c.request_id for c in children)
         for i, req in enumerate(children):
             p = req.params
             detok = None
@@ -119,6 +122,7 @@ class OutputProcessor:
         if parent is None:
             return
         for child_id in parent.children:
+            self.streaming.discard(child_id)
             self._completions.pop(child_id, None)
             self._parent_of.pop(child_id, None)
         self._parents.pop(parent.request_id, None)
@@ -126,13 +130,10 @@ class OutputProcessor:
     def parent_id(self, req_id: str) -> str | None:
         return self._parent_of.get(req_id)
 
-    def streams(self, req_id: str) -> bool:
-        return self._parents[self._parent_of[req_id]].stream
-
     def wants_output(self, parent_id: str) -> bool:
         """Streaming parents report every step; others only once all children finished."""
         parent = self._parents[parent_id]
-        return parent.stream or all(self._completions[c].request.status.finished for c in parent.children)
+        return parent.stream or all(self._completions[c].request.finished for c in parent.children)
 
     def children(self, parent_id: str) -> list[str]:
         p = self._parents.get(parent_id)

@@ -44,6 +44,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
+    finished: bool = False               # mirrors status.finished, cheap to test per step
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     bad_words_token_ids: list[list[int]] | None = None

@@ -167,7 +167,7 @@ class Scheduler:
         cache = self.kv.cache_computed if self.kv.enable_prefix_caching else None
         for s in out.scheduled:
             req = s.request
-            if req.status.finished:  # aborted while the step ran
+            if req.finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += s.num_tokens
             if cache is not None:
@@ -209,6 +209,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        req.finished = True
         req.stop_reason = stop_reason
         self.kv.free(req)
         self._finished.add(req.request_id)
