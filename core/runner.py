@@ -217,7 +217,8 @@ class ModelRunner:
         reference runner read rows 0..n-1 for every sub-batch). Prompt logprobs
         are not computed here: no static-shape backend supports them yet."""
         if self.prompt_logprob_reqs:
-            raise NotImplementedError("prompt_logprobs in a step split into row windows")
+            raise RuntimeError("prompt_logprobs cannot be computed in a step split into row windows; "
+                               "a backend that splits steps must not declare the prompt_logprobs capability")
         batch = self.batch
         sampled, discard, lists, num_tokens = [], [], [], 0
         for start, end in windows:
