@@ -89,7 +89,8 @@ class ModelRunner:
         self.sampler = Sampler()
         sched = config.scheduler
         self.batch = InputBatch(sched.max_num_seqs, max_model_len, self.max_blocks_per_req,
-                                self.block_size, SamplingState(sched.max_num_seqs, arch.vocab_size, backend.device))
+                                self.block_size, SamplingState(sched.max_num_seqs, arch.vocab_size, backend.device,
+                                                               backend.make_generator(config.model.seed)))
         self.states: dict[str, RunnerRequestState] = {}
         self.prompt_logprob_reqs: set[str] = set()
 

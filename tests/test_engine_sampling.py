@@ -139,6 +139,20 @@ def test_unseeded_requests_draw_from_engine_seed(model):
     assert a != c
 
 
+def test_engine_seed_is_independent_of_the_global_rng(model):
+    """Two engines with one seed, interleaved and with torch's RNG disturbed in
+    between, still agree: the shared draw comes from the engine's own generator."""
+    import torch
+    folder, _ = model
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True)
+    first, second = _llm(folder, seed=3), _llm(folder, seed=3)
+    a = _tokens(first.generate(prompts, sp, use_tqdm=False))
+    torch.rand(1000)
+    b = _tokens(second.generate(prompts, sp, use_tqdm=False))
+    assert a == b
+
+
 # ---- validation before scheduling ------------------------------------------------------
 INVALID = [
     dict(n=0), dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),

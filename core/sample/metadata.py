@@ -29,6 +29,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None        # [R] f32; 0.0 = off
     # rows (random, not discarded) that draw from their own generator
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # the engine's generator for the other random rows (None: torch's default generator)
+    default_generator: torch.Generator | None = None
 
     # ---- logprobs ---------------------------------------------------------
     max_num_logprobs: int | None = None      # k of this step (full vocab mapped to vocab_size)

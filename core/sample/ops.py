@@ -84,17 +84,18 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill_(probs < threshold, 0.0)
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  default_generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row from (unnormalised) probs: argmax(probs / q), q ~ Exp(1).
 
     Rows in `generators` draw their q (V values) from their own generator, so
     their stream does not depend on the rest of the batch; the other rows share
-    one draw from the device's default generator. A zero-probability token is
+    one draw from `default_generator` (the engine's). A zero-probability token is
     never chosen (q is clamped away from 0, so 0 / q = 0 < p / q).
     """
     q = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
-        q.exponential_()
+        q.exponential_(generator=default_generator)
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
     q.clamp_(min=torch.finfo(q.dtype).tiny)

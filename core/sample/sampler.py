@@ -75,7 +75,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if meta.min_p is not None:
         probs = apply_min_p(probs, meta.min_p)
-    sampled = random_sample(probs, meta.generators)
+    sampled = random_sample(probs, meta.generators, meta.default_generator)
     if greedy is None:
         return sampled
     return torch.where(meta.is_greedy, greedy, sampled)

@@ -64,7 +64,11 @@ class _Static:
 class SamplingState:
     """Sampling parameters of the running requests, one row each."""
 
-    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
+                 default_generator: torch.Generator | None = None) -> None:
+        """`default_generator`: the engine's own stream for random rows without a
+        seed, so engine-seeded runs do not depend on torch's global RNG."""
+        self.default_generator = default_generator
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -245,7 +249,8 @@ class SamplingState:
         if self.generators and not static.kwargs["all_greedy"]:
             gens = {r - start: g for r, g in self.generators.items()
                     if start <= r < num_reqs and not self.greedy[r] and not discard[r - start]}
-        meta = SamplingMetadata(num_reqs=n, generators=gens, discard=discard, **static.kwargs)
+        meta = SamplingMetadata(num_reqs=n, generators=gens, discard=discard,
+                                default_generator=self.default_generator, **static.kwargs)
 
         if static.penalty_rows is not None:
             self._penalty_counts(meta, static.penalty_rows, token_ids, num_prompt_tokens, num_tokens)
