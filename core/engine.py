@@ -43,7 +43,6 @@ class LLMEngine:
         self.dtype = (self.backend.default_dtype if config.model.dtype == "auto"
                       else _DTYPES[config.model.dtype])
         self.backend.check_dtype(self.dtype)
-        torch.manual_seed(config.model.seed)
         self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
         model = load_model(self.model_folder, model_cls, self.arch, self.backend.attention,
                            self.max_model_len, self.dtype, self.backend.device)
