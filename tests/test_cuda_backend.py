@@ -101,15 +101,6 @@ def _qkv(T, spec, seed, device="cpu", dtype=torch.float32):
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _config(**sched):
     return EngineConfig(model=ModelConfig(), scheduler=SchedulerConfig(**sched))
 

@@ -59,15 +59,6 @@ def _assert_clean(llm: LLM) -> None:
     assert (eng.kv.pool.ref_cnt[1:] == 0).all()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are all per-op overhead: one thread is fastest and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     return tiny_model_factory("llama")

@@ -20,15 +20,6 @@ BLOCK = 16
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are all per-op overhead: one thread is fastest and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(11)
     return [rng.integers(3, 512, size=k).tolist() for k in (5, 23, 40, 57)]

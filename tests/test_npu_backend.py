@@ -33,14 +33,6 @@ NPU_INSTALLED = importlib.util.find_spec("torch_npu") is not None
 not_installed = pytest.mark.skipif(NPU_INSTALLED, reason="torch_npu is installed here")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- probe ---------------------------------------------------------------------
 @not_installed
 def test_probe_reports_not_installed():

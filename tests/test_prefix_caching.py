@@ -19,15 +19,6 @@ BLOCK = 16
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are all per-op overhead: one thread is fastest and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     return tiny_model_factory("qwen2")

@@ -27,15 +27,6 @@ from polyrunner.sampling_params import SamplingParams
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: intra-op threads only add barrier waits (seconds on a loaded 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 MAX_LEN = 32

@@ -21,15 +21,6 @@ from polyrunner.sampling_params import SamplingParams
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: intra-op threads only add barrier waits (seconds on a loaded 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 V = 20
 N = 20_000
 LOGITS = np.random.default_rng(2024).normal(scale=1.2, size=V).astype(np.float32)

@@ -73,15 +73,6 @@ def ascii_word_tokens(tok) -> list[int]:
     return ids
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models are all per-op overhead: one thread is fastest and immune to a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def llm(tiny_model_factory, tmp_path_factory):
     folder, _ = tiny_model_factory("llama")
