@@ -3,99 +3,29 @@
 The model returns zero hidden states and fixed logits, so a step's time is the
 host path: scheduling, persistent-batch update, input preparation, sampling
 bookkeeping and output processing. Reported in microseconds per step at 1, 32
-and 256 running decode requests.
+and 256 running decode requests. The measurement lives in
+`polyrunner.bench.overhead` (also `polyrunner bench --workload overhead`).
 
-    python benchmarks/runner_overhead.py [--steps 200]
+    python benchmarks/runner_overhead.py [--steps 200] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
-import time
-from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
-from polyrunner import LLM, SamplingParams
-from polyrunner.plugins import hookimpl, register
-
-VOCAB = 128  # small, so sampling (device work) does not hide the host path
-
-
-class NoOpModel(torch.nn.Module):
-    """Skips all compute: zero hidden states, fixed logits (token 7 wins)."""
-
-    def __init__(self, arch, attn_op, max_positions):
-        super().__init__()
-        self.arch = arch
-        self.rotary = torch.nn.Identity()
-        self.dummy = torch.nn.Parameter(torch.zeros(1))
-        self.logits = None  # built on first use (the model is constructed on the meta device)
-
-    def forward(self, input_ids, positions, meta, kv_caches):
-        return torch.zeros(input_ids.shape[0], 1)
-
-    def compute_logits(self, hidden):
-        if self.logits is None:
-            self.logits = torch.zeros(1, self.arch.vocab_size)
-            self.logits[0, 7] = 1.0
-        return self.logits.repeat(hidden.shape[0], 1)
-
-    def load_weights(self, weights):
-        for _ in weights:
-            pass
-
-
-class NoOpPlugin:
-    @hookimpl
-    def polyrunner_models(self):
-        return {"NoOpForCausalLM": NoOpModel}
-
-
-def make_folder() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="polyrunner-noop-"))
-    cfg = dict(architectures=["NoOpForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
-               intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
-               max_position_embeddings=4096)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_file({"dummy": torch.zeros(1)}, str(folder / "model.safetensors"))
-    return folder
-
-
-def measure(num_reqs: int, steps: int, folder: Path) -> float:
-    """Mean microseconds per decode step with `num_reqs` running requests."""
-    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=num_reqs,
-              max_num_batched_tokens=max(2048, num_reqs * 16), max_model_len=4096,
-              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True)
-    for i in range(num_reqs):
-        engine.add_request({"prompt_token_ids": [1 + i % 100] * 16}, params)
-    engine.step()  # all prefills in one step
-    for _ in range(5):
-        engine.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - start
-    for rid in list(engine.scheduler.requests):
-        engine.abort_request(rid)
-    return elapsed / steps * 1e6
+from polyrunner.bench.overhead import make_folder, measure
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 32, 256])
     args = parser.parse_args()
-    register(NoOpPlugin(), name="noop-model")
     folder = make_folder()
     print(f"{'running decode requests':>24}  {'host us/step':>12}")
     for n in args.batch:
-        print(f"{n:>24}  {measure(n, args.steps, folder):>12.1f}")
+        print(f"{n:>24}  {measure(n, args.steps, folder, args.repeats):>12.1f}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def main() -> None:
     wl = _workloads()
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=args.eager, seed=0,
-              max_model_len=2048, max_num_seqs=64)
+              max_model_len=2048, max_num_seqs=64, enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
 
     def run(prompts, max_tokens):

@@ -104,3 +104,98 @@ def test_kernel_decode_all_requests_with_padding():
                                meta.block_tables, out, spec.scale, 0)
     torch.testing.assert_close(out[:5], expected[:5], atol=2e-2, rtol=2e-2)
     assert torch.all(out[5:] == 0)
+
+
+# ---- packed weights and the whole model ------------------------------------------
+from polyrunner.backends.cpu.executor import (PackedLinear, ThreadGovernor, pack_linears,  # noqa: E402
+                                              packing_supported)
+
+needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
+                                   reason="oneDNN bfloat16 packing unavailable on this CPU")
+
+
+@needs_packing
+def test_packed_linear_matches_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(lin.weight, lin.bias, 64)
+    for shape in [(1, 96), (37, 96), (3, 5, 96)]:
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-2, rtol=1e-2)
+
+
+@needs_packing
+def test_pack_linears_replaces_only_bfloat16_linears():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8))
+    assert pack_linears(model, 16) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is torch.nn.Linear
+
+
+def test_thread_governor_stays_in_range():
+    gov = ThreadGovernor(2, interval=0.0)
+    for _ in range(5):
+        assert 1 <= gov.threads() <= 2
+    assert ThreadGovernor(1).threads() == 1
+
+
+def _tiny_model(folder, attn_op, dtype):
+    from polyrunner.models.arch import DecoderArch
+    from polyrunner.models.loader import load_model, read_hf_config
+    from polyrunner.models.registry import resolve_model_class
+    arch = DecoderArch.from_hf_config(read_hf_config(folder))
+    model = load_model(folder, resolve_model_class(arch.architecture), arch, attn_op, 512, dtype,
+                       torch.device("cpu"))
+    return model, arch
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_fast_model_matches_reference_model(tiny_model_factory, kind):
+    """The whole model with the CPU fast paths (kernel, SDPA prefill, packed bf16
+    weights) gives the logits of the plain model with the reference attention,
+    on a mixed decode + prefill batch over a pre-filled cache."""
+    from types import SimpleNamespace
+    from polyrunner.backends.cpu.executor import CPUExecutor
+    folder, _ = tiny_model_factory(kind)
+    dtype = torch.bfloat16
+    fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
+    ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
+    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8))
+    executor = CPUExecutor(fast, config)
+    rng = np.random.default_rng(0)
+    meta = _batch(rng, num_decodes=3, num_prefills=3, block_size=16, num_blocks=48, max_blocks=6)
+    T = meta.num_padded_tokens
+    ids = torch.from_numpy(rng.integers(3, arch.vocab_size, size=T))
+    shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)
+    caches = [torch.randn(shape).to(dtype) for _ in range(arch.num_layers)]
+    ref_caches = [c.clone() for c in caches]
+    from polyrunner.backend import ModelInputs
+    with torch.inference_mode():
+        hidden = executor.run(ModelInputs(ids, meta.positions, meta, caches, torch.zeros(1, dtype=torch.long)))
+        expected = ref(ids, meta.positions, meta, ref_caches)
+        got = fast.compute_logits(hidden).float()
+        want = ref.compute_logits(expected).float()
+        if executor.packed_logits is not None:
+            torch.testing.assert_close(executor.packed_logits(hidden).float(), got, atol=5e-2, rtol=5e-2)
+    n = meta.num_actual_tokens
+    bound = 5e-2 * max(1.0, float(want[:n].abs().max()))
+    assert float((got[:n] - want[:n]).abs().max()) <= bound
+
+
+@needs_kernel
+def test_fused_rms_norm_and_mlp_match_the_model_modules():
+    from polyrunner.backends.cpu.executor import FusedMLP, FusedRMSNorm
+    from polyrunner.models.arch import DecoderArch
+    from polyrunner.models.llama import DecoderMLP, RMSNorm
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+    norm.weight.data.normal_(1.0, 0.3)
+    x = (torch.randn(37, 96) * 3).to(torch.bfloat16)
+    torch.testing.assert_close(FusedRMSNorm(norm)(x), norm(x), atol=0, rtol=8e-3)
+    xq = torch.randn(5, 4, 96).to(torch.bfloat16)  # q/k norms act on [T, heads, D]
+    torch.testing.assert_close(FusedRMSNorm(norm)(xq), norm(xq), atol=0, rtol=8e-3)
+    arch = DecoderArch.from_hf_config(dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=96,
+                                           intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+                                           num_key_value_heads=2, max_position_embeddings=64))
+    mlp = DecoderMLP(arch).to(torch.bfloat16)
+    torch.testing.assert_close(FusedMLP(mlp)(x), mlp(x), atol=2e-2, rtol=2e-2)

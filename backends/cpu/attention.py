@@ -80,7 +80,8 @@ def _prefill(q, k, v, kv_cache, meta, spec, out, first: int, last: int) -> None:
             causal = True
         else:
             mask = causal_mask(nq, seq_len, window, q.device)
+        # 4-D inputs: the CPU flash kernel takes [batch, heads, seq, dim] only (3-D runs the math path)
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
+            q[start:end].transpose(0, 1)[None], ck.transpose(0, 1)[None], cv.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=gqa)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)

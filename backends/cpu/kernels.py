@@ -92,6 +92,11 @@ def paged_attention_kernel() -> ctypes.CDLL | None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                            ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64]
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            lib.pr_rms_norm_bf16.restype = None
+            lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
+            lib.pr_silu_mul_bf16.restype = None
+            lib.pr_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64]
             _lib = lib
         except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
             logger.warning("CPU attention kernel unavailable (%s): using the reference attention", exc)
@@ -123,6 +128,22 @@ def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
         out.data_ptr(), out.stride(0), r_begin, r_end, scale, window)
     if rc != 0:
         raise RuntimeError(f"CPU paged attention kernel failed (code {rc})")
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face RMSNorm of a 2-D bfloat16 `x` (unit stride on the last dim)."""
+    T, H = x.shape
+    out = torch.empty((T, H), dtype=x.dtype)
+    _lib.pr_rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), T, H, eps)
+    return out
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the two halves of a 2-D bfloat16 `gate_up` (unit stride on the last dim)."""
+    T, I2 = gate_up.shape
+    out = torch.empty((T, I2 // 2), dtype=gate_up.dtype)
+    _lib.pr_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, I2 // 2)
+    return out
 
 
 @torch.library.custom_op("polyrunner_cpu::paged_attention", mutates_args=("kv_cache", "out"))

@@ -22,7 +22,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PR_BF16_DOT 1
+#endif
 
 namespace {
 
@@ -48,7 +55,7 @@ constexpr int64_t QT = 16;  // queries per tile
 // 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative error ~1e-8).
 // Branch-free, so the compiler vectorises the loops that call it.
 inline float fast_exp(float x) {
-  x = std::max(x, -87.f);
+  x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.4426950408889634f;
   const float n = __builtin_rintf(t);
   const float f = t - n;
@@ -66,6 +73,91 @@ inline float fast_exp(float x) {
   return p;
 }
 
+#ifdef PR_BF16_DOT
+// dot(q, k) of two bfloat16 rows of 32 * n elements, fp32 accumulation (AVX512-BF16).
+inline float dot_bf16(const uint16_t* q, const uint16_t* k, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; ++c)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * c),
+                           (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  return _mm512_reduce_add_ps(acc);
+}
+
+// r[j] = horizontal sum of v[j], for 16 vectors (transpose-and-add tree).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], w[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// Scores of one bfloat16 query row against up to 16 key rows (stride `row`),
+// lanes [ja, jb) valid; returns them scaled in a vector, invalid lanes -inf.
+template <int NC>  // D = 32 * NC
+inline __m512 scores16(const uint16_t* qrow, const uint16_t* k, int64_t row, int64_t ja, int64_t jb,
+                       float scale) {
+  __m512bh qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_setzero_ps();
+    if (j >= ja && j < jb)
+      for (int c = 0; c < NC; ++c)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(k + j * row + 32 * c));
+  }
+  const __mmask16 valid = __mmask16(((1u << jb) - 1u) & ~((1u << ja) - 1u));
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                            hsum16(acc), _mm512_set1_ps(scale));
+}
+
+// Vector fast_exp (same polynomial as the scalar one).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// One row's online-softmax update over up to 16 keys: m, l, acc (D = 16 * NV floats).
+template <int NV>
+inline void update16(__m512 s, int64_t ja, int64_t jb, const float* v, int64_t row, float* m,
+                     float* l, float* acc) {
+  const __mmask16 valid = __mmask16(((1u << jb) - 1u) & ~((1u << ja) - 1u));
+  const float mx = std::max(*m, _mm512_mask_reduce_max_ps(valid, s));
+  const float corr = fast_exp(*m - mx);
+  *m = mx;
+  const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+  *l = *l * corr + _mm512_reduce_add_ps(p);
+  alignas(64) float pj[16];
+  _mm512_store_ps(pj, p);
+  __m512 a[NV];
+  const __m512 c = _mm512_set1_ps(corr);
+  for (int i = 0; i < NV; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), c);
+  for (int64_t j = ja; j < jb; ++j) {
+    const __m512 b = _mm512_set1_ps(pj[j]);
+    for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(v + j * row + 16 * i), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+#endif
+
 template <typename T>
 void write_kv(const T* k, int64_t k_ts, const T* v, int64_t v_ts, T* cache, int64_t num_slots,
               const int64_t* slots, int64_t num_tokens, int64_t Hkv, int64_t D) {
@@ -79,93 +171,136 @@ void write_kv(const T* k, int64_t k_ts, const T* v, int64_t v_ts, T* cache, int6
   }
 }
 
+// One work item = one request's tile of up to QT queries, all heads: each cache
+// block (all KV heads of bs tokens, contiguous) is read once, sequentially.
 template <typename T>
 void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, int64_t Hkv,
             int64_t D, const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt,
             int64_t bt_stride, T* out, int64_t o_ts, int64_t r_begin, int64_t r_end, int64_t Hq,
             float scale, int64_t window) {
   const int64_t G = Hq / Hkv;
-  const int64_t n_items = (r_end - r_begin) * Hkv;
-  const int64_t row = Hkv * D;
+  const int64_t row = Hkv * D;  // elements of one token's keys (all heads)
   const T* kc = cache;
   const T* vc = cache + NB * bs * row;
   const float NEG = -std::numeric_limits<float>::infinity();
-#pragma omp parallel
+#ifdef PR_BF16_DOT
+  const bool bf16_dot = std::is_same<T, uint16_t>::value && D % 32 == 0;
+  const bool vec16 = bs <= 16 && (D == 64 || D == 128);
+#else
+  const bool bf16_dot = false;
+#endif
+  // work items: (request, query tile)
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t nq = int64_t(qsl[r + 1]) - qsl[r];
+    if (nq <= 0 || seq_lens[r] <= 0) continue;
+    for (int64_t t0 = 0; t0 < nq; t0 += QT) items.emplace_back(r, t0);
+  }
+  const int64_t n_items = int64_t(items.size());
+#pragma omp parallel if (n_items > 1)
   {
-    std::vector<float> qf(QT * G * D), acc(QT * G * D), kf(bs * D), vf(bs * D), s(QT * G * bs);
-    std::vector<float> m(QT * G), l(QT * G);
+    std::vector<float> qf(QT * Hq * D), acc(QT * Hq * D), kf(bs * row), vf(bs * row), s(bs);
+    std::vector<float> m(QT * Hq), l(QT * Hq);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < n_items; ++it) {
-      const int64_t r = r_begin + it / Hkv, hk = it % Hkv;
+      const int64_t r = items[it].first, t0 = items[it].second;
       const int64_t q0 = qsl[r], nq = int64_t(qsl[r + 1]) - q0, L = seq_lens[r];
-      if (nq <= 0 || L <= 0) continue;
       const int32_t* table = bt + r * bt_stride;
-      for (int64_t t0 = 0; t0 < nq; t0 += QT) {
-        const int64_t nt = std::min(QT, nq - t0), rows = nt * G;
-        const int64_t pos_first = L - nq + t0, pos_last = pos_first + nt - 1;
-        for (int64_t i = 0; i < nt; ++i)
-          for (int64_t g = 0; g < G; ++g) {
-            const T* src = q + (q0 + t0 + i) * q_ts + (hk * G + g) * D;
-            float* dst = &qf[(i * G + g) * D];
-            for (int64_t d = 0; d < D; ++d) dst[d] = ld(src[d]) * scale;
-          }
-        std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
-        std::fill(m.begin(), m.begin() + rows, NEG);
-        std::fill(l.begin(), l.begin() + rows, 0.f);
-        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0;
-        const int64_t hi = pos_last + 1;  // keys [lo, hi)
-        for (int64_t b = lo / bs; b * bs < hi; ++b) {
-          const int64_t blk = table[b];
-          const int64_t j0 = std::max(b * bs, lo), j1 = std::min((b + 1) * bs, hi), nj = j1 - j0;
-          const T* kb = kc + (blk * bs + (j0 - b * bs)) * row + hk * D;
-          const T* vb = vc + (blk * bs + (j0 - b * bs)) * row + hk * D;
-          for (int64_t j = 0; j < nj; ++j)
-            for (int64_t d = 0; d < D; ++d) {
-              kf[j * D + d] = ld(kb[j * row + d]);
-              vf[j * D + d] = ld(vb[j * row + d]);
-            }
-          for (int64_t rr = 0; rr < rows; ++rr) {
-            const int64_t pos = pos_first + rr / G;
-            const float* qr = &qf[rr * D];
-            float* sr = &s[rr * bs];
-            float mx = m[rr];
-            for (int64_t j = 0; j < nj; ++j) {
-              const int64_t kp = j0 + j;
-              if (kp > pos || (window > 0 && kp <= pos - window)) { sr[j] = NEG; continue; }
-              float dot = 0.f;
-              const float* kr = &kf[j * D];
-              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-              sr[j] = dot;
-              mx = std::max(mx, dot);
-            }
-            if (mx == NEG) continue;  // nothing visible in this block yet
-            const float corr = fast_exp(m[rr] - mx);
-            m[rr] = mx;
-            float* ar = &acc[rr * D];
-            float sum = 0.f;
-            for (int64_t j = 0; j < nj; ++j) {
-              const float x = sr[j];
-              const float p = x == NEG ? 0.f : fast_exp(x - mx);
-              sr[j] = p;
-              sum += p;
-            }
-            l[rr] = l[rr] * corr + sum;
-            for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
-            for (int64_t j = 0; j < nj; ++j) {
-              const float p = sr[j];
-              const float* vr = &vf[j * D];
-              for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
-            }
+      const int64_t nt = std::min(QT, nq - t0), rows = nt * Hq;  // row = i * Hq + head
+      const int64_t pos_first = L - nq + t0, pos_last = pos_first + nt - 1;
+      if (!bf16_dot)
+        for (int64_t i = 0; i < nt; ++i) {
+          const T* src = q + (q0 + t0 + i) * q_ts;
+          for (int64_t d = 0; d < Hq * D; ++d) qf[i * Hq * D + d] = ld(src[d]) * scale;
+        }
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.f);
+      std::fill(m.begin(), m.begin() + rows, NEG);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0;
+      const int64_t hi = pos_last + 1;  // keys [lo, hi)
+      for (int64_t b = lo / bs; b * bs < hi; ++b) {
+        const int64_t blk = table[b];
+        const int64_t j0 = std::max(b * bs, lo), j1 = std::min((b + 1) * bs, hi), nj = j1 - j0;
+        const T* kb = kc + (blk * bs + (j0 - b * bs)) * row;
+        const T* vb = vc + (blk * bs + (j0 - b * bs)) * row;
+        if ((b + 1) * bs < hi) {  // the next block lives elsewhere: prefetch it
+          const int64_t nxt = table[b + 1];
+          const char* kn = reinterpret_cast<const char*>(kc + nxt * bs * row);
+          const char* vn = reinterpret_cast<const char*>(vc + nxt * bs * row);
+          for (int64_t off = 0; off < int64_t(sizeof(T)) * bs * row; off += 64) {
+            __builtin_prefetch(kn + off);
+            __builtin_prefetch(vn + off);
           }
         }
-        for (int64_t i = 0; i < nt; ++i)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t rr = i * G + g;
-            const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
-            T* dst = out + (q0 + t0 + i) * o_ts + (hk * G + g) * D;
-            const float* ar = &acc[rr * D];
-            for (int64_t d = 0; d < D; ++d) st(dst + d, ar[d] * inv);
+        for (int64_t e = 0; e < nj * row; ++e) vf[e] = ld(vb[e]);
+        if (!bf16_dot)
+          for (int64_t e = 0; e < nj * row; ++e) kf[e] = ld(kb[e]);
+        for (int64_t rr = 0; rr < rows; ++rr) {
+          const int64_t i = rr / Hq, h = rr % Hq, hk = h / G;
+          const int64_t pos = pos_first + i;
+          // visible keys of this row within the block: [ja, jb)
+          const int64_t ja = std::max<int64_t>(0, (window > 0 ? pos - window + 1 : 0) - j0);
+          const int64_t jb = std::min<int64_t>(nj, pos + 1 - j0);
+          if (jb <= ja) continue;
+#ifdef PR_BF16_DOT
+          if (vec16 && bf16_dot) {
+            const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (q0 + t0 + i) * q_ts + h * D;
+            const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb) + hk * D;
+            const float* vh = &vf[hk * D];
+            if (D == 64) {
+              update16<4>(scores16<2>(qb, kh, row, ja, jb, scale), ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
+            } else {
+              update16<8>(scores16<4>(qb, kh, row, ja, jb, scale), ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
+            }
+            continue;
           }
+#endif
+          float mx = m[rr];
+#ifdef PR_BF16_DOT
+          if (bf16_dot) {
+            const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (q0 + t0 + i) * q_ts + h * D;
+            const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb) + hk * D;
+            for (int64_t j = ja; j < jb; ++j) {
+              const float dot = dot_bf16(qb, kh + j * row, D / 32) * scale;
+              s[j] = dot;
+              mx = std::max(mx, dot);
+            }
+          } else
+#endif
+          {
+            const float* qr = &qf[(i * Hq + h) * D];
+            for (int64_t j = ja; j < jb; ++j) {
+              const float* kr = &kf[j * row + hk * D];
+              float dot = 0.f;
+              for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+              s[j] = dot;
+              mx = std::max(mx, dot);
+            }
+          }
+          const float corr = fast_exp(m[rr] - mx);
+          m[rr] = mx;
+          float sum = 0.f;
+          for (int64_t j = ja; j < jb; ++j) {
+            const float p = fast_exp(s[j] - mx);
+            s[j] = p;
+            sum += p;
+          }
+          l[rr] = l[rr] * corr + sum;
+          float* ar = &acc[rr * D];
+          for (int64_t d = 0; d < D; ++d) ar[d] *= corr;
+          for (int64_t j = ja; j < jb; ++j) {
+            const float p = s[j];
+            const float* vr = &vf[j * row + hk * D];
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+          }
+        }
+      }
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        const int64_t i = rr / Hq, h = rr % Hq;
+        const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+        T* dst = out + (q0 + t0 + i) * o_ts + h * D;
+        const float* ar = &acc[rr * D];
+        for (int64_t d = 0; d < D; ++d) st(dst + d, ar[d] * inv);
       }
     }
   }
@@ -209,4 +344,47 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
 }
 
 int pr_abi_version() { return 1; }
+}
+
+// ---- fused elementwise ops for bfloat16 models (exactly Hugging Face's roundings) ----
+namespace {
+inline float rnd(float f) {  // round to bfloat16 and back
+  uint16_t b;
+  st(&b, f);
+  return ld(b);
+}
+}  // namespace
+
+extern "C" {
+
+// out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)), x/out rows of H bfloat16 (row strides given).
+void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
+                      int64_t T, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T * H >= 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* xr = x + t * x_ts;
+    float ss = 0.f;
+    for (int64_t d = 0; d < H; ++d) {
+      const float v = ld(xr[d]);
+      ss += v * v;
+    }
+    const float r = 1.f / std::sqrt(ss / float(H) + eps);
+    uint16_t* o = out + t * o_ts;
+    for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(xr[d]) * r));
+  }
+}
+
+// out[t] = bf16(silu(gate[t])) * up[t] where gate/up are the halves of gu[t] (2 * I wide).
+void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o_ts, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I >= 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = gu + t * g_ts;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * o_ts;
+    for (int64_t d = 0; d < I; ++d) {
+      const float a = ld(g[d]);
+      st(o + d, rnd(a / (1.f + fast_exp(-a))) * ld(u[d]));
+    }
+  }
+}
 }

@@ -10,13 +10,15 @@ from polyrunner.attention.metadata import NULL_BLOCK
 from polyrunner.backend import Availability, Backend, Capabilities
 from polyrunner.plugins import hookimpl
 from polyrunner.backends.cpu.attention import cpu_paged_attention
+from polyrunner.backends.cpu.executor import CPUExecutor
 
 
 DEFAULT_KV_CAP = 4 << 30
 
 
 class CPUBackend(Backend):
-    """Host memory, eager PyTorch, no padding buckets; always available."""
+    """Host memory; eager PyTorch with oneDNN-packed bf16 weights and a C++
+    paged-attention kernel; no padding buckets; always available."""
 
     name = "cpu"
     priority = 0
@@ -52,6 +54,9 @@ class CPUBackend(Backend):
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
+
+    def make_executor(self, model, config):
+        return CPUExecutor(model, config)
 
     attention = staticmethod(cpu_paged_attention)
 

