@@ -576,3 +576,30 @@ def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.delenv("POLYRUNNER_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert gguf_loader.gguf_cache_root() == tmp_path / "xdg" / "polyrunner" / "gguf"
+
+
+def test_smollm2_greedy_equals_transformers(smol):
+    """4 prompts x 32 greedy tokens: polyrunner on the GGUF file equals transformers'
+    own GGUF loading (its tensors, its config, its tokenizer), both float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from polyrunner import LLM, SamplingParams
+
+    src_dir, name, folder = smol
+    tensors, cfg = _transformers_tensors(src_dir, name, with_config=True)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    hf.load_state_dict(tensors, strict=False)
+    hf.tie_weights()
+    hf.eval()
+    hf_tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+               "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"]
+    llm = LLM(str(src_dir / name), dtype="float32", max_model_len=256, max_num_seqs=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = hf_tok(prompt, return_tensors="pt").input_ids
+        assert out.prompt_token_ids == ids[0].tolist(), prompt
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref, prompt
