@@ -47,15 +47,8 @@ def make_tokenizer_folder(model_folder, out):
 @lru_cache(maxsize=None)
 def _byte_to_char() -> dict[int, str]:
     """GPT-2's byte -> printable character map (what ByteLevel pieces are made of)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
+    from polyrunner.models.gguf_vocab import bytes_to_unicode
+    return bytes_to_unicode()
 
 
 def byte_token(tok, b: int) -> int:
