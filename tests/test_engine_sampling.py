@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from polyrunner import LLM, SamplingParams
+from tiny_models import kv_bytes
 
 MAX_NEW = 8
 BLOCK = 16
@@ -36,11 +37,6 @@ def _params(i: int, seed_base: int = 1000) -> SamplingParams:
 
 PARAMS = [_params(i) for i in range(len(PROMPTS))]
 
-
-def _kv_bytes(hf, blocks: int) -> int:
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return blocks * 2 * BLOCK * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
 
 
 def _llm(folder, **kw) -> LLM:
@@ -102,7 +98,7 @@ def test_batch_invariance(model, alone, variant):
     folder, hf = model
     kw = dict(VARIANTS[variant])
     if "preempt" in variant:
-        kw["kv_cache_memory_bytes"] = _kv_bytes(hf, 12)
+        kw["kv_cache_memory_bytes"] = kv_bytes(hf, 12, BLOCK)
     llm = _llm(folder, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     if "preempt" in variant:

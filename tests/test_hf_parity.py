@@ -6,6 +6,7 @@ import torch
 
 from conftest import KINDS
 from polyrunner import LLM, SamplingParams
+from tiny_models import kv_bytes
 
 
 def _prompts(n: int = 8, vocab: int = 512, seed: int = 0) -> list[list[int]]:
@@ -20,11 +21,6 @@ def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
                              do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
-
-def _kv_bytes(hf, blocks: int, block_size: int = 16) -> int:
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return blocks * 2 * block_size * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
 
 
 ENGINE_VARIANTS = {
@@ -42,7 +38,7 @@ def test_greedy_matches_transformers(tiny_model_factory, kind, variant):
     max_new = 12
     options = dict(ENGINE_VARIANTS[variant])
     if variant == "preempt":
-        options["kv_cache_memory_bytes"] = _kv_bytes(hf, 12)
+        options["kv_cache_memory_bytes"] = kv_bytes(hf, 12)
     llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, block_size=16, **options)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from polyrunner import LLM, SamplingParams
+from tiny_models import kv_bytes
 
 TOL = 1e-4
 BLOCK = 16
@@ -35,11 +36,6 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=temp, seed=70 + i, logprobs=lp, prompt_logprobs=plp,
                           max_tokens=MAX_NEW, ignore_eos=True)
 
-
-def _kv_bytes(hf, blocks: int) -> int:
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return blocks * 2 * BLOCK * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
 
 
 def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
@@ -110,7 +106,7 @@ def test_logprobs_match_transformers(tiny_model_factory, kind, variant):
     folder, hf = tiny_model_factory(kind)
     kw = dict(VARIANTS[variant])
     if variant == "preempt":
-        kw["kv_cache_memory_bytes"] = _kv_bytes(hf, 6)
+        kw["kv_cache_memory_bytes"] = kv_bytes(hf, 6, BLOCK)
     llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, **kw)
     params = [_params(i) for i in range(len(PROMPTS))]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from polyrunner import LLM, SamplingParams
+from tiny_models import kv_bytes
 
 BLOCK = 16
 MAX_NEW = 6
@@ -23,11 +24,6 @@ MAX_NEW = 6
 def model(tiny_model_factory):
     return tiny_model_factory("qwen2")
 
-
-def _kv_bytes(hf, blocks: int) -> int:
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return blocks * 2 * BLOCK * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
 
 
 def _llm(folder, **kw) -> LLM:
@@ -159,7 +155,7 @@ POOLS = {"tiny": (6, 16), "small": (10, 32)}  # usable blocks 5 and 9; token bud
 @pytest.fixture(scope="module")
 def engines(model):
     folder, hf = model
-    return {name: _llm(folder, kv_cache_memory_bytes=_kv_bytes(hf, n), max_num_seqs=4,
+    return {name: _llm(folder, kv_cache_memory_bytes=kv_bytes(hf, n, BLOCK), max_num_seqs=4,
                        max_num_batched_tokens=budget)
             for name, (n, budget) in POOLS.items()}
 

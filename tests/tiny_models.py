@@ -40,3 +40,11 @@ def build_tiny_model(kind: str, folder: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def kv_bytes(hf, blocks: int, block_size: int = 16) -> int:
+    """KV-cache bytes (float32) that hold exactly `blocks` blocks of the HF model `hf`:
+    pass as `kv_cache_memory_bytes` to force preemption with few blocks."""
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return blocks * 2 * block_size * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
