@@ -148,16 +148,23 @@ class LLMEngine:
             self.runner.execute(so)  # still drops finished requests' state
             return []
         result = self.runner.execute(so)
-        updated = self.scheduler.update_from_output(so, result.sampled)
+        updated = self.scheduler.update_from_output(so, result.sampled, result.decode_tokens)
         touched: dict[str, None] = {}
         for rid, rows in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, rows)
-        for req in updated:
-            stop = self.outputs.update(req, result.sampled[req.request_id], result.logprobs.get(req.request_id))
-            if stop is not None:  # a stop string wins over length/EOS in the same step
-                self.scheduler.finish_with_stop_string(req, stop)
-            if req.finished or req.request_id in self.outputs.streaming:
-                touched[self.outputs.parent_id(req.request_id)] = None
+        watched = self.outputs.watched
+        # unwatched requests need no output work until they finish
+        for req in updated if watched else self.scheduler.finished_in_update:
+            rid = req.request_id
+            if rid in watched:
+                new_ids = result.sampled.get(rid)
+                if new_ids is None:  # a decode: its one new token
+                    new_ids = req.output_token_ids[-1:]
+                stop = self.outputs.update(req, new_ids, result.logprobs.get(rid))
+                if stop is not None:  # a stop string wins over length/EOS in the same step
+                    self.scheduler.finish_with_stop_string(req, stop)
+            if req.finished or rid in self.outputs.streaming:
+                touched[self.outputs.parent_id(rid)] = None
         outs = [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
         self._release_if_idle()
         return outs

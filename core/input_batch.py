@@ -32,6 +32,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = BlockTable(max_num_reqs, max_blocks_per_req, block_size)
         self.sampling = sampling
+        self.layout_version = 0   # bumped whenever a request enters, leaves or changes row
 
     # ---- membership ------------------------------------------------------
     def add(self, req_id: str, prompt_ids: list[int], output_ids: list[int],
@@ -56,6 +57,7 @@ class InputBatch:
         self.req_ids[row] = req_id
         self.req_id_to_index[req_id] = row
         self.num_reqs += 1
+        self.layout_version += 1
         return row
 
     def remove(self, req_id: str) -> None:
@@ -65,9 +67,12 @@ class InputBatch:
         self.sampling.remove_row(row)
         self._holes.append(row)
         self.num_reqs -= 1
+        self.layout_version += 1
 
     def condense(self) -> None:
         """Move the highest rows into the holes so rows 0..num_reqs-1 are dense."""
+        if not self._holes:
+            return
         holes = sorted(self._holes)
         self._holes = []
         last = self.num_reqs + len(holes) - 1
@@ -89,6 +94,7 @@ class InputBatch:
         req_id = self.req_ids[src]
         self.req_ids[dst], self.req_ids[src] = req_id, None
         self.req_id_to_index[req_id] = dst
+        self.layout_version += 1
 
     def swap(self, a: int, b: int) -> None:
         width = int(max(self.num_tokens[a], self.num_tokens[b]))
@@ -100,11 +106,14 @@ class InputBatch:
         ra, rb = self.req_ids[a], self.req_ids[b]
         self.req_ids[a], self.req_ids[b] = rb, ra
         self.req_id_to_index[rb], self.req_id_to_index[ra] = a, b
+        self.layout_version += 1
 
     def reorder_decode_first(self, num_scheduled: np.ndarray) -> None:
         """Rows with <= 1 scheduled token first, with the fewest swaps.
         `num_scheduled` is indexed by row and is permuted along with the rows."""
         is_decode = num_scheduled[:self.num_reqs] <= 1
+        if is_decode.all():
+            return
         decodes = np.flatnonzero(is_decode)
         prefills = np.flatnonzero(~is_decode)
         num_decodes = len(decodes)
@@ -120,4 +129,4 @@ class InputBatch:
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Append one sampled token to each given row (vectorised)."""
         self.token_ids[rows, self.num_tokens[rows]] = tokens
-        self.num_tokens[rows] += 1
+        self.num_tokens[rows] += 1  # rows are distinct

@@ -37,6 +37,9 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._parent_of: dict[str, str] = {}
         self.streaming: set[str] = set()   # child ids whose parent streams
+        # child ids that need `update` or `output` every step (detokenize, logprobs or
+        # streaming); the others need nothing until they finish
+        self.watched: set[str] = set()
 
     def add(self, parent_id: str, children: list[Request], stream: bool = False) -> None:
         first = children[0]
@@ -54,6 +57,8 @@ class OutputProcessor:
             want_lp = p.logprobs is not None
             self._completions[req.request_id] = _Completion(req, i, detok, [] if want_lp else None,
                                                             0.0 if want_lp else None)
+            if stream or detok is not None or want_lp:
+                self.watched.add(req.request_id)
             self._parent_of[req.request_id] = parent_id
 
     def add_prompt_logprobs(self, req_id: str, rows: list[tuple[list[int], list[float], int]]) -> None:
@@ -67,7 +72,8 @@ class OutputProcessor:
 
     def update(self, req: Request, new_ids: list[int],
                logprobs: tuple[list[int], list[float], int] | None) -> str | None:
-        """Record new tokens of one request; returns a stop string that matched."""
+        """Record new tokens of one request; returns a stop string that matched.
+        A no-op for requests not in `watched`."""
         c = self._completions[req.request_id]
         if c.logprobs is not None and logprobs is not None:
             c.logprobs.append(self.make_logprobs(*logprobs))
@@ -123,6 +129,7 @@ class OutputProcessor:
             return
         for child_id in parent.children:
             self.streaming.discard(child_id)
+            self.watched.discard(child_id)
             self._completions.pop(child_id, None)
             self._parent_of.pop(child_id, None)
         self._parents.pop(parent.request_id, None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.backend import Backend, ModelInputs
 from polyrunner.config import EngineConfig
 from polyrunner.input_batch import InputBatch
-from polyrunner.input_prep import StepInputs, prepare_inputs
+from polyrunner.input_prep import StepInputs, next_decode_inputs, prepare_inputs
 from polyrunner.kv_spec import KVCacheSpec
 from polyrunner.models.arch import DecoderArch
 from polyrunner.request import Request
@@ -45,7 +44,8 @@ LogprobRow = tuple[list[int], list[float], int]   # token ids, logprobs, rank of
 
 @dataclass
 class StepResult:
-    sampled: dict[str, list[int]]                       # req_id -> new token ids
+    sampled: dict[str, list[int]]                       # req_id -> new token ids (all but the decodes)
+    decode_tokens: np.ndarray | None = None             # [len(so.decodes)] the decodes' tokens, in order
     logprobs: dict[str, LogprobRow] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # this step's chunk
     num_tokens: int = 0
@@ -93,6 +93,10 @@ class ModelRunner:
                                                                backend.make_generator(config.model.seed)))
         self.states: dict[str, RunnerRequestState] = {}
         self.prompt_logprob_reqs: set[str] = set()
+        self._decode_rows: tuple[int, np.ndarray] | None = None   # (batch.layout_version, rows)
+        # the last step, when it was an unpadded all-decode step:
+        # (batch.layout_version, its host inputs, its device inputs, its sampled tokens)
+        self._last_decode: tuple[int, StepInputs, ModelInputs, np.ndarray] | None = None
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -134,30 +138,61 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> StepResult:
+        """Run one scheduled step. An all-decode step on the rows of the previous
+        all-decode step advances that step's inputs (`next_decode_inputs`) instead
+        of rebuilding them."""
+        last, self._last_decode = self._last_decode, None
         self._update_states(so)
         batch = self.batch
         R = batch.num_reqs
         if R == 0:
             return StepResult({})
         num_scheduled = np.zeros(batch.max_num_reqs, np.int32)
-        rows = [batch.req_id_to_index[s.request.request_id] for s in so.scheduled]
-        num_scheduled[rows] = [s.num_tokens for s in so.scheduled]
-        batch.reorder_decode_first(num_scheduled)
+        if so.others:
+            index = batch.req_id_to_index
+            num_scheduled[[index[s.request.request_id] for s in so.others]] = [s.num_tokens for s in so.others]
+            if so.decodes:
+                num_scheduled[self._rows_of(so)] = 1
+            batch.reorder_decode_first(num_scheduled)
+        else:
+            num_scheduled[:R] = 1   # the batch holds exactly the scheduled requests
         windows = self._windows(num_scheduled[:R])
         if len(windows) > 1:
-            return self._execute_split(windows, num_scheduled)
-        T = int(num_scheduled[:R].sum())
+            return self._execute_split(windows, num_scheduled, so)
+        T = int(num_scheduled[:R].sum()) if so.others else R
         T_pad, R_pad = self.buckets.pad(T, R)
-        step = prepare_inputs(batch, num_scheduled, T_pad, R_pad)
-        inputs = self._to_device(step)
+        all_decode = not so.others and T_pad == T and R_pad == R
+        step = None
+        if (all_decode and so.decodes_were_scheduled and not so.decode_new_blocks
+                and last is not None and last[0] == batch.layout_version):
+            step = next_decode_inputs(last[1], last[3], self.block_size)  # same rows, one token on
+        if step is None:
+            step = prepare_inputs(batch, num_scheduled, T_pad, R_pad)
+            inputs = self._to_device(step)
+        else:
+            inputs = self._to_device(step, last[2])
         with self.backend.no_grad():
             hidden = self.executor.run(inputs)
             out = self.executor.sample(hidden, inputs, batch, slice(0, R), step.discard, self.sampler)
             prompt_lps = self._prompt_logprobs(hidden, step, num_scheduled) if self.prompt_logprob_reqs else {}
         sampled = self.backend.to_host_async(out.sampled_token_ids).result().numpy()
-        result = self._bookkeeping(step, num_scheduled, sampled, out)
+        lists = None if out.logprobs is None else out.logprobs.tolists()
+        result = self._bookkeeping(R, step.discard, step.num_tokens, num_scheduled, sampled, lists, so)
         result.prompt_logprobs = prompt_lps
+        if all_decode:
+            self._last_decode = (batch.layout_version, step, inputs, sampled[:R])
         return result
+
+    def _rows_of(self, so: SchedulerOutput) -> np.ndarray:
+        """Batch rows of `so.decodes`, in order (reused while no row moved)."""
+        version = self.batch.layout_version
+        cached = self._decode_rows
+        if so.decodes_were_scheduled and cached is not None and cached[0] == version:
+            return cached[1]
+        index = self.batch.req_id_to_index
+        rows = np.fromiter((index[r.request_id] for r in so.decodes), np.int64, len(so.decodes))
+        self._decode_rows = (version, rows)
+        return rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs,
                          num_scheduled: np.ndarray) -> dict[str, list[LogprobRow]]:
@@ -212,7 +247,8 @@ class ModelRunner:
         windows.append((start, R))
         return windows
 
-    def _execute_split(self, windows: list[tuple[int, int]], num_scheduled: np.ndarray) -> StepResult:
+    def _execute_split(self, windows: list[tuple[int, int]], num_scheduled: np.ndarray,
+                       so: SchedulerOutput) -> StepResult:
         """Run one step as several padded sub-batches. Each window's inputs and
         sampling rows come from its own rows of the persistent batch (the TPU
         reference runner read rows 0..n-1 for every sub-batch). Prompt logprobs
@@ -244,24 +280,34 @@ class ModelRunner:
                 merged.token_ids += lp.token_ids[:n] if lp else [[] for _ in range(n)]
                 merged.logprobs += lp.logprobs[:n] if lp else [[] for _ in range(n)]
                 merged.ranks += lp.ranks[:n] if lp else [0] * n
-        step = SimpleNamespace(num_reqs=windows[-1][1], discard=np.concatenate(discard),
-                               num_tokens=num_tokens)
-        out = SimpleNamespace(logprobs=None if merged is None else SimpleNamespace(tolists=lambda: merged))
-        return self._bookkeeping(step, num_scheduled, np.concatenate(sampled), out)
+        return self._bookkeeping(windows[-1][1], np.concatenate(discard), num_tokens, num_scheduled,
+                                 np.concatenate(sampled), merged, so)
 
-    def _bookkeeping(self, step: StepInputs, num_scheduled: np.ndarray, sampled: np.ndarray, out) -> StepResult:
-        batch, R = self.batch, step.num_reqs
+    def _bookkeeping(self, R: int, discard: np.ndarray, num_tokens: int, num_scheduled: np.ndarray,
+                     sampled: np.ndarray, lists: LogprobsLists | None, so: SchedulerOutput) -> StepResult:
+        """Advance rows [0, R) of the batch by the step's sampled tokens (rows in
+        `discard` computed a partial prefill and keep none) and collect the result."""
+        batch = self.batch
         batch.num_computed_tokens[:R] += num_scheduled[:R]
-        keep = np.flatnonzero(~step.discard)
-        batch.append_tokens(keep, sampled[keep])
-        ids = [batch.req_ids[r] for r in keep]
-        result = StepResult({rid: [int(t)] for rid, t in zip(ids, sampled[keep].tolist())}, num_tokens=step.num_tokens)
-        if out.logprobs is not None:
-            lists = out.logprobs.tolists()
-            for rid, r in zip(ids, keep.tolist()):
-                k = self.states[rid].request.params.logprobs
-                if k is not None:
-                    result.logprobs[rid] = lists.row(r, k)
+        discard = discard[:R]
+        if so.others:
+            keep = np.flatnonzero(~discard)
+            batch.append_tokens(keep, sampled[keep])
+        else:  # all decodes: every row keeps its token
+            keep = np.arange(R)
+            batch.append_tokens(keep, sampled[:R])
+        result = StepResult({}, num_tokens=num_tokens)
+        if so.decodes:  # never discarded: a decode's one token completes its sequence
+            result.decode_tokens = sampled[self._rows_of(so)].astype(np.int64)
+        index = batch.req_id_to_index
+        for s in so.others:
+            row = index[s.request.request_id]
+            if not discard[row]:
+                result.sampled[s.request.request_id] = [int(sampled[row])]
+        if lists is not None:
+            for r in keep[batch.sampling.num_logprobs[keep] >= 0].tolist():
+                rid = batch.req_ids[r]
+                result.logprobs[rid] = lists.row(r, self.states[rid].request.params.logprobs)
         return result
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -271,11 +317,19 @@ class ModelRunner:
             self.prompt_logprob_reqs.discard(rid)
             if rid in batch.req_id_to_index:
                 batch.remove(rid)
-        scheduled = {s.request.request_id for s in so.scheduled}
+        index = batch.req_id_to_index
+        if so.decodes_were_scheduled and not so.others and batch.num_reqs == len(so.decodes):
+            # the batch holds exactly the decodes already: at most new blocks
+            for rid, blocks in so.decode_new_blocks.items():
+                self.states[rid].block_ids.extend(blocks)
+                batch.block_table.append_row(index[rid], blocks)
+            batch.condense()
+            return
+        scheduled_reqs = so.scheduled
+        scheduled = {s.request.request_id for s in scheduled_reqs}
         for rid in [r for r in batch.req_id_to_index if r not in scheduled]:
             batch.remove(rid)  # preempted or not scheduled this step: state kept
-        index = batch.req_id_to_index
-        for s in so.scheduled:
+        for s in scheduled_reqs:
             req = s.request
             rid = req.request_id
             row = index.get(rid)
@@ -300,20 +354,27 @@ class ModelRunner:
                                             eos_token_ids=req.eos_token_ids))
         batch.condense()
 
-    def _to_device(self, step: StepInputs) -> ModelInputs:
+    def _to_device(self, step: StepInputs, prev: ModelInputs | None = None) -> ModelInputs:
+        """`step` on the device. `prev`: the device inputs of the step that `step` was
+        advanced from (`next_decode_inputs`); the arrays they share are not sent again."""
         dev = self.backend.to_device
+        if prev is None:
+            qsl, tables = dev(step.query_start_loc), dev(step.block_tables)
+            tok_req, logits_idx = dev(step.token_to_req), dev(step.logits_indices)
+        else:
+            qsl, tables, tok_req = prev.attn.query_start_loc, prev.attn.block_tables, prev.attn.token_to_req
+            logits_idx = prev.logits_indices
         meta = AttentionMetadata(
             num_actual_tokens=step.num_tokens, num_reqs=step.num_reqs, num_decodes=step.num_decodes,
             max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
-            query_start_loc=dev(step.query_start_loc), seq_lens=dev(step.seq_lens),
-            block_tables=dev(step.block_tables), slot_mapping=dev(step.slot_mapping),
-            positions=dev(step.positions), token_to_req=dev(step.token_to_req),
+            query_start_loc=qsl, seq_lens=dev(step.seq_lens),
+            block_tables=tables, slot_mapping=dev(step.slot_mapping),
+            positions=dev(step.positions), token_to_req=tok_req,
             query_start_loc_np=step.query_start_loc, seq_lens_np=step.seq_lens)
         for key, array in self.backend.host_attention_extras(step).items():
             meta.extras[key] = dev(array)
         self.backend.build_attention_extras(meta)
-        return ModelInputs(dev(step.input_ids), meta.positions, meta, self.kv_caches,
-                           dev(step.logits_indices))
+        return ModelInputs(dev(step.input_ids), meta.positions, meta, self.kv_caches, logits_idx)
 
 
 class _RowWindow:

@@ -7,16 +7,25 @@ recomputed later). Waiting requests are admitted while budget, `max_num_seqs`
 and blocks allow. With prefix caching, a waiting request whose prefix
 continues into blocks another request computes this step waits one step and
 then takes them from the cache, so a shared prefix is computed once.
+
+The common step, where every running request decodes one token, takes a
+vectorised fast path (`_schedule_decodes`, `_update_decodes`) over a numpy
+mirror of the running requests (`RunningArrays`); it makes exactly the
+decisions of the general loop, which handles everything else.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from polyrunner.config import SchedulerConfig
 from polyrunner.kv_manager import KVCacheManager
 from polyrunner.request import Request, RequestStatus
+from polyrunner.running_arrays import RunningArrays
 
 
 @dataclass
@@ -31,17 +40,30 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """This step's requests: `decodes` (one token each, not new, in order) then `others`."""
+
+    decodes: list[Request] = field(default_factory=list)
+    decode_new_blocks: dict[str, list[int]] = field(default_factory=dict)  # only decodes that grew
+    others: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)   # since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # every request of `decodes` was also scheduled last step, and nothing else was
+    # (besides `finished_req_ids`): the runner's rows need no other change
+    decodes_were_scheduled: bool = False
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Every scheduled request as a `ScheduledRequest` (built on each access)."""
+        new = self.decode_new_blocks
+        return [ScheduledRequest(r, 1, new.get(r.request_id, []), False) for r in self.decodes] + self.others
 
     @property
     def total_num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return len(self.decodes) + sum(s.num_tokens for s in self.others)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.decodes and not self.others
 
 
 class Scheduler:
@@ -54,6 +76,13 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished: set[str] = set()
         self.num_preemptions = 0
+        # fast-path state: a mirror of `running` (None: rebuild when needed), whether
+        # the last step scheduled exactly `running` as decodes, and whether the last
+        # update left a prefill unfinished (then do not rebuild the mirror to find out)
+        self._arrays: RunningArrays | None = None
+        self._fast_last_step = False
+        self._prefilling = False
+        self.finished_in_update: list[Request] = []   # finished by the last update_from_output
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -78,8 +107,55 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished)
         self._finished = set()
         budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
+        fast = self._schedule_decodes(out, budget)
+        if fast:
+            # only finishing (reported in finished_req_ids) removed requests since
+            out.decodes_were_scheduled = self._fast_last_step
+            budget -= len(out.decodes)
+        else:
+            self._arrays = None  # the general loop changes requests behind the mirror's back
+            budget = self._schedule_running(out, budget)
+        self._admit(out, budget)  # admitted requests join `running` after the mirrored rows
+        self._fast_last_step = fast and not out.others
+        return out
 
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> bool:
+        """Schedule one token for every running request when each has exactly one
+        token left to compute and the free blocks cover every block it needs
+        (so the general loop would preempt nobody); False (nothing done) otherwise."""
+        running = self.running
+        n = len(running)
+        if n == 0 or budget < n:
+            return False
+        a = self._arrays
+        if a is None or len(a) != n:
+            if self._prefilling:
+                return False
+            a = self._arrays = RunningArrays(running, self.kv.blocks, self.kv.block_size, self.max_model_len)
+        if not a.all_decoding:
+            return False
+        nc = a.num_computed
+        bs = self.kv.block_size
+        grow = np.flatnonzero(nc >= a.capacity)
+        if grow.size:
+            need = int(((nc[grow] + bs) // bs - a.capacity[grow] // bs).sum())
+            if need > self.kv.pool.num_free_blocks:
+                return False
+            for i in grow.tolist():
+                req = running[i]
+                out.decode_new_blocks[req.request_id] = self.kv.allocate(req, 1)
+                a.capacity[i] = len(self.kv.blocks[req.request_id]) * bs
+        out.decodes = list(running)
+        if self.kv.enable_prefix_caching:
+            # a decode completes a block only when it fills the block's last slot
+            for i in np.flatnonzero((nc + 1) % bs == 0).tolist():
+                self.kv.mark_computing(running[i], 1)
+        return True
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """The general loop over running requests (chunks, block growth, preemption);
+        returns the budget left."""
+        chunked = self.config.enable_chunked_prefill
         kept: list[Request] = []
         threshold = self.config.long_prefill_token_threshold
         block_size = self.kv.block_size
@@ -104,7 +180,7 @@ class Scheduler:
                 if new_blocks is None:  # nothing left to preempt but itself
                     self._preempt(self.running.pop(), out)
                     break
-            out.scheduled.append(ScheduledRequest(req, n, new_blocks, False))
+            out.others.append(ScheduledRequest(req, n, new_blocks, False))
             if caching:
                 self.kv.mark_computing(req, n)
             budget -= n
@@ -112,7 +188,12 @@ class Scheduler:
             i += 1
         kept.extend(self.running[i:])
         self.running = kept
+        return budget
 
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests while budget, max_num_seqs and blocks allow; returns the budget left."""
+        chunked = self.config.enable_chunked_prefill
+        caching = self.kv.enable_prefix_caching
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_req_ids:
                 break  # memory is short this step; admit nobody new
@@ -133,11 +214,11 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, list(self.kv.blocks[req.request_id]), is_new=True))
+            out.others.append(ScheduledRequest(req, n, list(self.kv.blocks[req.request_id]), is_new=True))
             if caching:
                 self.kv.mark_computing(req, n)
             budget -= n
-        return out
+        return budget
 
     def _num_new_tokens(self, req: Request) -> int:
         n = req.num_tokens - req.num_computed_tokens
@@ -160,12 +241,71 @@ class Scheduler:
         out.preempted_req_ids.add(req.request_id)
 
     # ---- after the step ----------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
+                           decode_tokens: np.ndarray | None = None) -> list[Request]:
         """Advance progress, append sampled tokens, apply stop rules.
-        Returns the scheduled requests that produced tokens (finished ones included)."""
+
+        `sampled`: request id -> new tokens; `decode_tokens`, when given, holds the
+        token of each of `out.decodes` in order (then `sampled` may leave them out).
+        Returns the scheduled requests that produced tokens (finished ones
+        included), decodes first; `finished_in_update` lists those that finished."""
+        self.finished_in_update = []
+        self._prefilling = False
+        decodes = out.decodes
+        if decodes:
+            if decode_tokens is None:
+                decode_tokens = np.array([sampled[r.request_id][0] for r in decodes], np.int64)
+            if self._arrays is not None and len(self._arrays) == len(decodes):
+                updated = self._update_decodes(decodes, decode_tokens)
+            else:  # a request was aborted while the step ran: the mirror is gone
+                updated = self._update_general(
+                    [ScheduledRequest(r, 1, [], False) for r in decodes],
+                    {r.request_id: [t] for r, t in zip(decodes, decode_tokens.tolist())})
+        else:
+            updated = []
+        if out.others:
+            updated += self._update_general(out.others, sampled)
+        a = self._arrays
+        if a is not None and len(a) != len(self.running):  # requests were admitted after its rows
+            if self._prefilling:
+                self._arrays = None
+            else:
+                a.extend(RunningArrays(self.running[len(a):], self.kv.blocks, self.kv.block_size,
+                                       self.max_model_len))
+        return updated
+
+    def _update_decodes(self, decodes: list[Request], tokens: np.ndarray) -> list[Request]:
+        """`_update_general` for the fast path: every row of the mirror got one token."""
+        for req, tok in zip(decodes, tokens.tolist()):
+            req.output_token_ids.append(tok)
+            req.num_computed_tokens += 1
+        a = self._arrays
+        a.num_computed += 1
+        if self.kv.enable_prefix_caching:
+            bs = self.kv.block_size
+            for i in np.flatnonzero(a.num_computed % bs == 0).tolist():
+                self.kv.cache_computed(decodes[i])
+        check = a.may_stop(tokens).tolist()
+        if check:
+            done = []
+            for i in check:
+                req = decodes[i]
+                self.check_stop(req)
+                if req.finished:
+                    done.append(i)
+                    self.finished_in_update.append(req)
+            if done:
+                mask = np.ones(len(a), bool)
+                mask[done] = False
+                a.keep(mask)
+            self._arrays = a   # the finished rows left the mirror as they left `running`
+        return list(decodes)
+
+    def _update_general(self, scheduled: list[ScheduledRequest],
+                        sampled: Mapping[str, Sequence[int]]) -> list[Request]:
         updated = []
         cache = self.kv.cache_computed if self.kv.enable_prefix_caching else None
-        for s in out.scheduled:
+        for s in scheduled:
             req = s.request
             if req.finished:  # aborted while the step ran
                 continue
@@ -174,9 +314,12 @@ class Scheduler:
                 cache(req)
             tokens = sampled.get(req.request_id)
             if not tokens:
+                self._prefilling = True
                 continue  # partial prefill: nothing sampled yet
             req.output_token_ids.extend(tokens)
             self.check_stop(req)
+            if req.finished:
+                self.finished_in_update.append(req)
             updated.append(req)
         return updated
 
@@ -206,6 +349,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._arrays = None  # (the fast path's update removes the row itself)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
