@@ -119,7 +119,8 @@ class GraphExecutor:
                 f"{type(self).__name__} cannot sample a row window starting at {rows.start}; "
                 "a backend whose steps are split must override GraphExecutor.sample")
         R = rows.stop
-        logits = self.model.compute_logits(hidden[inputs.logits_indices[:R]])
+        # R hidden rows for R requests: one token each, so the rows are already in order
+        logits = self.model.compute_logits(hidden if hidden.shape[0] == R else hidden[inputs.logits_indices[:R]])
         meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
                                             batch.num_tokens, discard)
         return sampler(logits, meta)
