@@ -1,6 +1,7 @@
-"""Build and load the CPU paged-attention kernel (`paged_attention.cpp`).
+"""Build and load the CPU kernels: paged attention and fused elementwise ops
+(`paged_attention.cpp`), the AMX small-M linear (`linear_amx.cpp`).
 
-The kernel is plain C++ compiled once per (source, compiler, CPU) into
+The kernels are plain C++ compiled into one library once per (sources, compiler, CPU) into
 `~/.cache/polyrunner/cpu_kernels/` (about a second with g++) and called
 through ctypes with raw pointers. Without a C++ compiler, or with
 `POLYRUNNER_CPU_KERNELS=0`, `paged_attention_kernel()` returns None and the
@@ -28,6 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp")]  # built into one library
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -53,7 +55,7 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_signature().encode())
     target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
@@ -62,7 +64,7 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders agree on the result
@@ -95,8 +97,17 @@ def paged_attention_kernel() -> ctypes.CDLL | None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.pr_rms_norm_bf16.restype = None
             lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
+            lib.pr_add_rms_norm_bf16.restype = None
+            lib.pr_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
             lib.pr_silu_mul_bf16.restype = None
             lib.pr_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64]
+            lib.pr_rotary_bf16.restype = None
+            lib.pr_rotary_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+            lib.pr_amx_init.restype = ctypes.c_int
+            lib.pr_amx_pack_bf16.restype = None
+            lib.pr_amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+            lib.pr_amx_linear_bf16.restype = ctypes.c_int
+            lib.pr_amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
             _lib = lib
         except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
             logger.warning("CPU attention kernel unavailable (%s): using the reference attention", exc)
@@ -138,12 +149,68 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return out
 
 
+def add_rms_norm_bf16(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)` for contiguous 2-D bfloat16 x and residual."""
+    T, H = x.shape
+    out, r = torch.empty((T, H), dtype=x.dtype), torch.empty((T, H), dtype=x.dtype)
+    _lib.pr_add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), r.data_ptr(),
+                              out.data_ptr(), T, H, eps)
+    return out, r
+
+
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the two halves of a 2-D bfloat16 `gate_up` (unit stride on the last dim)."""
     T, I2 = gate_up.shape
     out = torch.empty((T, I2 // 2), dtype=gate_up.dtype)
     _lib.pr_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, I2 // 2)
     return out
+
+
+def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate bfloat16 q `[T, Hq, D]` and k `[T, Hkv, D]` in place at int64 `positions`
+    (Hugging Face roundings); cos/sin: contiguous float32 `[P, D]`, D <= 512 and even."""
+    T, Hq, D = q.shape
+    _lib.pr_rotary_bf16(q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1],
+                        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, D)
+
+
+AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
+_amx: bool | None = None
+
+
+def amx_available() -> bool:
+    """Whether the AMX small-M linear can run here (kernel built with AMX, tiles granted)."""
+    global _amx
+    if _amx is None:
+        _amx = (paged_attention_kernel() is not None and os.environ.get("POLYRUNNER_CPU_AMX", "1") != "0"
+                and _lib.pr_amx_init() == 0)
+    return _amx
+
+
+def amx_pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] bfloat16 in the AMX tile layout of `linear_amx.cpp`; None
+    unless N % 16 == 0 and K % 32 == 0."""
+    N, K = weight.shape
+    if N % 16 or K % 32 or weight.dtype != torch.bfloat16:
+        return None
+    w = weight.detach().contiguous()
+    packed = torch.empty(N * K, dtype=torch.bfloat16)
+    _lib.pr_amx_pack_bf16(w.data_ptr(), packed.data_ptr(), N, K)
+    return packed
+
+
+def amx_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor | None:
+    """x[M, K] @ W^T for M <= AMX_MAX_M, W packed by `amx_pack_bf16` (x: bfloat16,
+    unit stride on K); None when the kernel declines."""
+    M, K = x.shape
+    if M > AMX_MAX_M or x.stride(1) != 1:
+        return None
+    y = torch.empty((M, N), dtype=torch.bfloat16)
+    if _lib.pr_amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
+        return None
+    return y
 
 
 @torch.library.custom_op("polyrunner_cpu::paged_attention", mutates_args=("kv_cache", "out"))

@@ -353,6 +353,18 @@ inline float rnd(float f) {  // round to bfloat16 and back
   st(&b, f);
   return ld(b);
 }
+#ifdef PR_BF16_DOT
+// 16 bfloat16 <-> 16 floats; rnd16 rounds to bfloat16 (nearest even) and back.
+inline __m512 ld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline void st16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
+inline __m512 rnd16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+#endif
 }  // namespace
 
 extern "C" {
@@ -360,9 +372,23 @@ extern "C" {
 // out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)), x/out rows of H bfloat16 (row strides given).
 void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
                       int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T * H >= 65536)
+#pragma omp parallel for schedule(static) if (T * H >= 16384)
   for (int64_t t = 0; t < T; ++t) {
     const uint16_t* xr = x + t * x_ts;
+#ifdef PR_BF16_DOT
+    if (H % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < H; d += 16) {
+        const __m512 v = ld16(xr + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
+      uint16_t* o = out + t * o_ts;
+      for (int64_t d = 0; d < H; d += 16)
+        st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(xr + d), r))));
+      continue;
+    }
+#endif
     float ss = 0.f;
     for (int64_t d = 0; d < H; ++d) {
       const float v = ld(xr[d]);
@@ -374,6 +400,41 @@ void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16
   }
 }
 
+// r[t] = bf16(x[t] + res[t]); out[t] = RMSNorm(r[t]) as above (rows of H, all row-contiguous).
+void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* r_out,
+                          uint16_t* out, int64_t T, int64_t H, float eps) {
+#pragma omp parallel for schedule(static) if (T * H >= 16384)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* xr = x + t * H;
+    const uint16_t* rr = res + t * H;
+    uint16_t* ro = r_out + t * H;
+#ifdef PR_BF16_DOT
+    if (H % 16 == 0) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < H; d += 16) {
+        const __m512 v = rnd16(_mm512_add_ps(ld16(xr + d), ld16(rr + d)));
+        st16(ro + d, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
+      uint16_t* o = out + t * H;
+      for (int64_t d = 0; d < H; d += 16)
+        st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(ro + d), r))));
+      continue;
+    }
+#endif
+    float ss = 0.f;
+    for (int64_t d = 0; d < H; ++d) {
+      st(ro + d, ld(xr[d]) + ld(rr[d]));
+      const float v = ld(ro[d]);
+      ss += v * v;
+    }
+    const float r = 1.f / std::sqrt(ss / float(H) + eps);
+    uint16_t* o = out + t * H;
+    for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(ro[d]) * r));
+  }
+}
+
 // out[t] = bf16(silu(gate[t])) * up[t] where gate/up are the halves of gu[t] (2 * I wide).
 void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o_ts, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T * I >= 65536)
@@ -381,9 +442,47 @@ void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o
     const uint16_t* g = gu + t * g_ts;
     const uint16_t* u = g + I;
     uint16_t* o = out + t * o_ts;
-    for (int64_t d = 0; d < I; ++d) {
+    int64_t d0 = 0;
+#ifdef PR_BF16_DOT
+    for (; d0 + 16 <= I; d0 += 16) {  // same math as the scalar loop, 16 lanes at a time
+      const __m512 a = ld16(g + d0);
+      const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(88.f)));
+      const __m512 sl = rnd16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      st16(o + d0, _mm512_mul_ps(sl, ld16(u + d0)));
+    }
+#endif
+    for (int64_t d = d0; d < I; ++d) {
       const float a = ld(g[d]);
       st(o + d, rnd(a / (1.f + fast_exp(-a))) * ld(u[d]));
+    }
+  }
+}
+}
+
+// ---- rotary embedding in place (Hugging Face's bfloat16 roundings) ----
+// x[t, h] (token stride x_ts, head stride D) <- x * bf16(cos[pos[t]]) + rotate_half(x) * bf16(sin[pos[t]]),
+// each product and the sum rounded to bfloat16 as torch does; cos/sin: float32 [P, D].
+extern "C" {
+void pr_rotary_bf16(uint16_t* q, int64_t q_ts, int64_t Hq, uint16_t* k, int64_t k_ts, int64_t Hk,
+                    const int64_t* pos, const float* cos, const float* sin, int64_t T, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= 64)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + pos[t] * D;
+    const float* s = sin + pos[t] * D;
+    float cb[512], sb[512];
+    for (int64_t d = 0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
+    for (int which = 0; which < 2; ++which) {
+      uint16_t* base = which == 0 ? q + t * q_ts : k + t * k_ts;
+      const int64_t H = which == 0 ? Hq : Hk;
+      for (int64_t h = 0; h < H; ++h) {
+        uint16_t* x = base + h * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = ld(x[d]), b = ld(x[d + half]);
+          st(x + d, rnd(a * cb[d]) + rnd(-b * sb[d]));
+          st(x + d + half, rnd(b * cb[d + half]) + rnd(a * sb[d + half]));
+        }
+      }
     }
   }
 }

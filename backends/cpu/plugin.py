@@ -17,8 +17,9 @@ DEFAULT_KV_CAP = 4 << 30
 
 
 class CPUBackend(Backend):
-    """Host memory; eager PyTorch with oneDNN-packed bf16 weights and a C++
-    paged-attention kernel; no padding buckets; always available."""
+    """Host memory; eager PyTorch with oneDNN-packed bf16 weights (AMX-packed
+    for decode-sized steps), C++ paged-attention and fused elementwise kernels;
+    no padding buckets; always available."""
 
     name = "cpu"
     priority = 0

@@ -37,6 +37,12 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`: the residual add and the norm in
+        one call, so a backend's fused module can do both in one pass."""
+        residual = x + residual
+        return self(residual), residual
+
 
 class DecoderAttention(nn.Module):
     def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
@@ -90,9 +96,18 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(arch)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                kv_cache: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp_out, residual)`: the layer's output is their sum, which the
+        next layer's (or the final) norm forms with `forward_add` (vLLM's scheme:
+        each residual add is fused with the norm that follows it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.self_attn(positions, h, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,10 +127,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(positions, x, meta, kv_cache, residual)
+        return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for the given hidden rows."""

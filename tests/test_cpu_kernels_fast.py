@@ -1,0 +1,100 @@
+"""The CPU backend's newer C++ kernels against their PyTorch references:
+AMX small-M linear, in-place rotary, fused residual add + RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrunner.backends.cpu import kernels
+
+pytestmark = pytest.mark.skipif(kernels.paged_attention_kernel() is None, reason="no C++ compiler")
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("M", [1, 2, 15, 16, 17, 31, 32, 33, 48, 64])
+@pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (960, 576), (576, 1536), (80, 96)])
+def test_amx_linear_matches_matmul(M: int, N: int, K: int) -> None:
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / 8).to(torch.bfloat16)
+    packed = kernels.amx_pack_bf16(w)
+    y = kernels.amx_linear_bf16(x, packed, N)
+    ref = (x.float() @ w.float().T).to(torch.bfloat16)
+    torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+def test_amx_linear_strided_rows_and_declines() -> None:
+    x = torch.randn(5, 128).to(torch.bfloat16)[:, :64]  # row stride 128
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    y = kernels.amx_linear_bf16(x, kernels.amx_pack_bf16(w), 32)
+    torch.testing.assert_close(y, (x.float() @ w.float().T).to(torch.bfloat16), atol=2e-2, rtol=1.6e-2)
+    assert kernels.amx_pack_bf16(torch.randn(24, 64).to(torch.bfloat16)) is None  # N % 16
+    assert kernels.amx_pack_bf16(torch.randn(32, 40).to(torch.bfloat16)) is None  # K % 32
+    big = torch.randn(kernels.AMX_MAX_M + 1, 64).to(torch.bfloat16)
+    assert kernels.amx_linear_bf16(big, kernels.amx_pack_bf16(w), 32) is None
+
+
+@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+def test_packed_linear_small_and_large_batches_agree() -> None:
+    from polyrunner.backends.cpu.executor import PackedLinear
+    w = (torch.randn(192, 128) / 8).to(torch.bfloat16)
+    lin = PackedLinear(w, None, 64)
+    assert lin.amx is not None
+    x = torch.randn(80, 128).to(torch.bfloat16)
+    assert x.shape[0] > kernels.AMX_MAX_M
+    full = lin(x)  # oneDNN
+    torch.testing.assert_close(lin(x[:7]), full[:7], atol=2e-2, rtol=1.6e-2)  # AMX
+
+
+@pytest.mark.parametrize("T", [1, 5, 130])
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_rotary_is_exact(T: int, D: int) -> None:
+    from polyrunner.backends.cpu.executor import FusedRotary
+    from polyrunner.models.rotary import RotaryEmbedding
+    rotary = RotaryEmbedding(D, 2048, 10000.0, None)
+    Hq, Hk = 4, 2
+    qkv = (torch.randn(T, (Hq + 2 * Hk) * D) * 3).to(torch.bfloat16)
+    q, k, _ = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.view(T, Hq, D), k.view(T, Hk, D)
+    positions = torch.randint(0, 2048, (T,))
+    ref_q, ref_k = rotary(positions, q, k)
+    got_q, got_k = FusedRotary(rotary)(positions.to(torch.int32), q, k)  # in place on the views
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+    assert got_q.data_ptr() == q.data_ptr()
+
+
+def test_fused_rotary_keeps_float32_reference() -> None:
+    from polyrunner.backends.cpu.executor import FusedRotary
+    from polyrunner.models.rotary import RotaryEmbedding
+    rotary = RotaryEmbedding(64, 256, 10000.0, None)
+    q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
+    positions = torch.tensor([0, 7, 200])
+    ref = rotary(positions, q, k)
+    got = FusedRotary(rotary)(positions, q.clone(), k.clone())
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("T", [1, 3, 200])
+def test_fused_add_rms_norm_matches_module(T: int) -> None:
+    from polyrunner.backends.cpu.executor import FusedRMSNorm
+    from polyrunner.models.llama import RMSNorm
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(576) + 0.5).to(torch.bfloat16)
+    x, residual = (torch.randn(T, 576) * 4).to(torch.bfloat16), torch.randn(T, 576).to(torch.bfloat16)
+    ref_out, ref_res = norm.forward_add(x, residual)
+    out, res = FusedRMSNorm(norm).forward_add(x, residual)
+    assert torch.equal(res, ref_res)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=8e-3)
+
+
+def test_decoder_layers_return_output_and_residual() -> None:
+    """The model's residual hand-off (layer -> next norm's forward_add) sums to
+    the plain `x + attn; x + mlp` layer output."""
+    from polyrunner.models.llama import RMSNorm
+    norm = RMSNorm(8, 1e-6)
+    x, residual = torch.randn(2, 8), torch.randn(2, 8)
+    out, res = norm.forward_add(x, residual)
+    assert torch.equal(res, x + residual)
+    assert torch.equal(out, norm(x + residual))
