@@ -365,42 +365,38 @@ inline __m512 rnd16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
 }
 #endif
+
+// o = w * bf16(x * rsqrt(mean(x^2) + eps)) for one row of H bfloat16 (Hugging Face's RMSNorm).
+inline void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* o, int64_t H, float eps) {
+#ifdef PR_BF16_DOT
+  if (H % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < H; d += 16) {
+      const __m512 v = ld16(x + d);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
+    for (int64_t d = 0; d < H; d += 16) st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(x + d), r))));
+    return;
+  }
+#endif
+  float ss = 0.f;
+  for (int64_t d = 0; d < H; ++d) ss += ld(x[d]) * ld(x[d]);
+  const float r = 1.f / std::sqrt(ss / float(H) + eps);
+  for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(x[d]) * r));
+}
 }  // namespace
 
 extern "C" {
 
-// out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)), x/out rows of H bfloat16 (row strides given).
+// out[t] = RMSNorm(x[t]), x/out rows of H bfloat16 (row strides given).
 void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
                       int64_t T, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T * H >= 16384)
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* xr = x + t * x_ts;
-#ifdef PR_BF16_DOT
-    if (H % 16 == 0) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < H; d += 16) {
-        const __m512 v = ld16(xr + d);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
-      uint16_t* o = out + t * o_ts;
-      for (int64_t d = 0; d < H; d += 16)
-        st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(xr + d), r))));
-      continue;
-    }
-#endif
-    float ss = 0.f;
-    for (int64_t d = 0; d < H; ++d) {
-      const float v = ld(xr[d]);
-      ss += v * v;
-    }
-    const float r = 1.f / std::sqrt(ss / float(H) + eps);
-    uint16_t* o = out + t * o_ts;
-    for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(xr[d]) * r));
-  }
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * x_ts, w, out + t * o_ts, H, eps);
 }
 
-// r[t] = bf16(x[t] + res[t]); out[t] = RMSNorm(r[t]) as above (rows of H, all row-contiguous).
+// r[t] = bf16(x[t] + res[t]); out[t] = RMSNorm(r[t]) (rows of H, all row-contiguous).
 void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* r_out,
                           uint16_t* out, int64_t T, int64_t H, float eps) {
 #pragma omp parallel for schedule(static) if (T * H >= 16384)
@@ -408,30 +404,12 @@ void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t
     const uint16_t* xr = x + t * H;
     const uint16_t* rr = res + t * H;
     uint16_t* ro = r_out + t * H;
+    int64_t d = 0;
 #ifdef PR_BF16_DOT
-    if (H % 16 == 0) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < H; d += 16) {
-        const __m512 v = rnd16(_mm512_add_ps(ld16(xr + d), ld16(rr + d)));
-        st16(ro + d, v);
-        acc = _mm512_fmadd_ps(v, v, acc);
-      }
-      const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
-      uint16_t* o = out + t * H;
-      for (int64_t d = 0; d < H; d += 16)
-        st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(ro + d), r))));
-      continue;
-    }
+    for (; d + 16 <= H; d += 16) st16(ro + d, _mm512_add_ps(ld16(xr + d), ld16(rr + d)));
 #endif
-    float ss = 0.f;
-    for (int64_t d = 0; d < H; ++d) {
-      st(ro + d, ld(xr[d]) + ld(rr[d]));
-      const float v = ld(ro[d]);
-      ss += v * v;
-    }
-    const float r = 1.f / std::sqrt(ss / float(H) + eps);
-    uint16_t* o = out + t * H;
-    for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(ro[d]) * r));
+    for (; d < H; ++d) st(ro + d, ld(xr[d]) + ld(rr[d]));
+    rms_norm_row(ro, w, out + t * H, H, eps);  // the row is still in L1
   }
 }
 
