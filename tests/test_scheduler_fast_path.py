@@ -22,6 +22,7 @@ from polyrunner.config import SchedulerConfig
 from polyrunner.kv_manager import KVCacheManager
 from polyrunner.request import Request
 from polyrunner.scheduler import Scheduler
+from scheduler_driver import drive
 from tiny_models import kv_bytes
 
 MAX_MODEL_LEN = 96
@@ -69,15 +70,8 @@ def _run(cls, specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, 
         req = Request(f"r{i}", family[:plen], params, min(max_tokens, MAX_MODEL_LEN - plen),
                       frozenset({EOS}))
         reqs.append((arrival, abort_at, req))
-    pending = sorted(reqs, key=lambda x: x[0])
     trace = []
-    step = 0
-    while pending or sched.num_unfinished:
-        while pending and pending[0][0] <= step:
-            sched.add_request(pending.pop(0)[2])
-        for _, abort_at, req in reqs:
-            if abort_at == step:
-                sched.abort(req.request_id)
+    for _ in drive(sched, reqs):
         out = sched.schedule()
         sampled = {}
         for s in out.scheduled:
@@ -92,8 +86,6 @@ def _run(cls, specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, 
             decode_tokens = np.array([sampled.pop(r.request_id)[0] for r in out.decodes], np.int64)
         updated = sched.update_from_output(out, sampled, decode_tokens)
         trace.append(([r.request_id for r in updated], [r.request_id for r in sched.finished_in_update]))
-        step += 1
-        assert step < 5000, "scheduler made no progress"
     result = [(r.request_id, r.status, r.stop_reason, list(r.output_token_ids), r.num_preemptions)
               for _, _, r in reqs]
     assert kv.pool.num_free_blocks == num_blocks - 1 and not kv.blocks
