@@ -104,6 +104,12 @@ class GraphExecutor:
         """Graphs compiled or captured so far; None when the backend does not count."""
         return None
 
+    @staticmethod
+    def logit_rows(hidden: torch.Tensor, inputs: ModelInputs, R: int) -> torch.Tensor:
+        """The hidden rows of the first R requests' last tokens (`inputs.logits_indices[:R]`);
+        `hidden` itself when it has exactly R rows (one token each, already in order)."""
+        return hidden if hidden.shape[0] == R else hidden[inputs.logits_indices[:R]]
+
     def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch: "InputBatch", rows: slice,
                discard: np.ndarray, sampler: "Sampler") -> "SamplerOutput":
         """Logits and one sampled token for the persistent-batch rows `rows`, whose
@@ -119,8 +125,7 @@ class GraphExecutor:
                 f"{type(self).__name__} cannot sample a row window starting at {rows.start}; "
                 "a backend whose steps are split must override GraphExecutor.sample")
         R = rows.stop
-        # R hidden rows for R requests: one token each, so the rows are already in order
-        logits = self.model.compute_logits(hidden if hidden.shape[0] == R else hidden[inputs.logits_indices[:R]])
+        logits = self.model.compute_logits(self.logit_rows(hidden, inputs, R))
         meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
                                             batch.num_tokens, discard)
         return sampler(logits, meta)

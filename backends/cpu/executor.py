@@ -264,9 +264,7 @@ class CPUExecutor(GraphExecutor):
         if self.packed_logits is None or rows.start:
             return super().sample(hidden, inputs, batch, rows, discard, sampler)
         R = rows.stop
-        # R hidden rows for R requests: one token each, rows already in order (no gather)
-        rows_h = hidden if hidden.shape[0] == R else hidden[inputs.logits_indices[:R]]
-        logits = self.packed_logits(rows_h).float()
+        logits = self.packed_logits(self.logit_rows(hidden, inputs, R)).float()
         meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
                                             batch.num_tokens, discard)
         return sampler(logits, meta)
