@@ -7,8 +7,9 @@ after the decodes, many queries each) go through `scaled_dot_product_attention`
 (oneDNN/AMX matmuls): a fresh prompt attends its own k/v with `is_causal`; a
 chunk with earlier context gathers that request's blocks once.
 
-Inside `torch.compile` (decode-only batches, see `plugin.py`) the kernel is the
-custom op `polyrunner_cpu::paged_attention` over all (padded) requests.
+Under `torch.compile` (the backend itself runs eagerly; this is for callers
+that compile the model) the kernel is the custom op
+`polyrunner_cpu::paged_attention` over all (padded) requests, one opaque call.
 Without the kernel (no C++ compiler, float16) this is the reference attention.
 """
 
