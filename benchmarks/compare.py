@@ -55,13 +55,13 @@ def ensure_vllm_venv() -> Path:
 
 
 def model_folder() -> str:
-    from polyrunner.model_source import resolve_model_folder
+    from polyrunner.models.source import resolve_model_folder
     return str(resolve_model_folder(None))
 
 
 # ---- runners ----------------------------------------------------------------------
 def run_polyrunner(repeats: int, with_extras: bool) -> dict:
-    from polyrunner.bench.cli import run_bench
+    from polyrunner.tools.bench.cli import run_bench
     names = WORKLOADS + (["coldstart", "overhead", "roofline"] if with_extras else ["roofline"])
     return run_bench(names, repeats)
 
@@ -70,7 +70,7 @@ def run_transformers(folder: str, repeats: int, batch_size: int = 16) -> list[di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from polyrunner.bench.workloads import make_workload
+    from polyrunner.tools.bench.workloads import make_workload
     torch.set_num_threads(os.cpu_count() or 1)  # torch's default; polyrunner ran in this process before
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     pad = 0

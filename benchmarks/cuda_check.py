@@ -4,7 +4,7 @@
     python benchmarks/cuda_check.py --skip-tests --backend cpu   # dry run without a GPU
 
 1. runs `pytest tests/test_cuda_backend.py` (the GPU-only tests run when a GPU is visible);
-   then the conformance suite against the backend (`polyrunner.conformance`), when present;
+   then the conformance suite against the backend (`polyrunner.tools.conformance`), when present;
 2. writes a small random Llama (config.json + safetensors) to a temp folder;
 3. greedy generation with CUDA graphs and with `enforce_eager`, for a batch-1
    and a batched workload: tokens/s, graph count, capture time and memory,
@@ -41,7 +41,7 @@ def run_tests() -> dict:
 
 def run_conformance_suite(backend: str) -> dict:
     try:
-        from polyrunner.conformance.framework import run_conformance
+        from polyrunner.tools.conformance.framework import run_conformance
     except ImportError as exc:
         return {"result": f"not available: {exc}"}
     t0 = time.perf_counter()

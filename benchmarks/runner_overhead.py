@@ -4,7 +4,7 @@ The model returns zero hidden states and fixed logits, so a step's time is the
 host path: scheduling, persistent-batch update, input preparation, sampling
 bookkeeping and output processing. Reported in microseconds per step at 1, 32
 and 256 running decode requests. The measurement lives in
-`polyrunner.bench.overhead` (also `polyrunner bench --workload overhead`).
+`polyrunner.tools.bench.overhead` (also `polyrunner bench --workload overhead`).
 
     python benchmarks/runner_overhead.py [--steps 200] [--repeats 3]
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from polyrunner.bench.overhead import make_folder, measure
+from polyrunner.tools.bench.overhead import make_folder, measure
 
 
 def main() -> None:

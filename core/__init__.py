@@ -18,6 +18,6 @@ def __getattr__(name: str):
         from polyrunner.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from polyrunner.engine import LLMEngine
+        from polyrunner.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(f"module 'polyrunner' has no attribute {name!r}")

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from polyrunner.engine import LLMEngine, Prompt
+from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ before scheduling a request.
 
 `features()` names the sampling features a request needs, so the engine can
 reject a request that the backend cannot run on its device (the feature names
-are `polyrunner.backend.SAMPLING_FEATURES`).
+are `polyrunner.device.backend.SAMPLING_FEATURES`).
 """
 
 from __future__ import annotations

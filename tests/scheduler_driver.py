@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from polyrunner.request import Request
-from polyrunner.scheduler import Scheduler
+from polyrunner.engine.request import Request
+from polyrunner.engine.scheduler import Scheduler
 
 # (arrival step, abort step or None, request)
 TraceEntry = tuple[int, "int | None", Request]

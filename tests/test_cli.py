@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from polyrunner.cli import main
+from polyrunner.tools.cli import main
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "polyrunner.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "polyrunner.tools.cli", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

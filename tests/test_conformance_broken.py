@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from polyrunner.attention.reference import reference_paged_attention, write_kv
-from polyrunner.backend import Availability, Capabilities, GraphExecutor
+from polyrunner.device.backend import Availability, Capabilities, GraphExecutor
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.buckets import BucketPolicy, exponential_sizes
-from polyrunner.conformance import run_conformance
+from polyrunner.device.buckets import BucketPolicy, exponential_sizes
+from polyrunner.tools.conformance import run_conformance
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.manager import unregister
 
@@ -208,7 +208,7 @@ def test_unknown_backend_fails_registration_and_blocks_the_rest():
 
 
 def test_cli_exit_code_reports_a_broken_backend(registered, capsys):
-    from polyrunner.cli import main
+    from polyrunner.tools.cli import main
     rc = main(["conformance", "--backend", registered(TooSmallBucketBackend), "--group", "buckets"])
     out = capsys.readouterr().out
     assert rc == 1

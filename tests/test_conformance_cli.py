@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cli_cpu_backend_passes(tmp_path, capsys):
     """`polyrunner conformance --backend cpu`: exit 0, a table per group, the skipped
     checks listed with the capability that excused them."""
-    from polyrunner.cli import main
-    from polyrunner.conformance.framework import GROUPS
+    from polyrunner.tools.cli import main
+    from polyrunner.tools.conformance.framework import GROUPS
     report_file = tmp_path / "report.json"
     rc = main(["conformance", "--backend", "cpu", "--json", str(report_file)])
     out = capsys.readouterr().out
@@ -31,7 +31,7 @@ def test_cli_cpu_backend_passes(tmp_path, capsys):
 
 
 def test_cli_lists_checks(capsys):
-    from polyrunner.cli import main
+    from polyrunner.tools.cli import main
     assert main(["conformance", "--backend", "cpu", "--list"]) == 0
     out = capsys.readouterr().out
     assert "buckets::pad_covers_every_legal_batch" in out
@@ -39,7 +39,7 @@ def test_cli_lists_checks(capsys):
 
 
 def test_cli_unknown_backend_exits_nonzero(capsys):
-    from polyrunner.cli import main
+    from polyrunner.tools.cli import main
     assert main(["conformance", "--backend", "no_such_backend", "--group", "registration"]) == 1
     assert "no plugin contributes a backend named 'no_such_backend'" in capsys.readouterr().out
 
@@ -48,7 +48,7 @@ def test_cli_subprocess_with_runtime_plugin():
     """The installed console script, registering the example plugin with --plugin."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "examples" / "custom_device_plugin" / "src"))
     exe = Path(sys.executable).with_name("polyrunner")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "polyrunner.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "polyrunner.tools.cli"]
     proc = subprocess.run(cmd + ["conformance", "--plugin", "polyrunner_cpu_paged.plugin", "--backend",
                                  "cpu_paged", "--group", "registration", "--group", "buckets", "--threads", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -57,10 +57,10 @@ def test_cli_subprocess_with_runtime_plugin():
 
 
 def test_pytest_plugin_front_end(tmp_path):
-    """`pytest -p polyrunner.conformance.pytest_plugin --pyargs polyrunner.conformance --backend cpu`."""
+    """`pytest -p polyrunner.tools.conformance.pytest_plugin --pyargs polyrunner.tools.conformance --backend cpu`."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
-         "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "registration",
+        [sys.executable, "-m", "pytest", "-p", "polyrunner.tools.conformance.pytest_plugin", "--pyargs",
+         "polyrunner.tools.conformance", "--backend", "cpu", "--conformance-group", "registration",
          "--conformance-group", "buckets", "--conformance-threads", "1", "-q", "-p", "no:cacheprovider",
          "-rs"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -70,8 +70,8 @@ def test_pytest_plugin_front_end(tmp_path):
 
 def test_pytest_plugin_reports_capability_skips(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "polyrunner.conformance.pytest_plugin", "--pyargs",
-         "polyrunner.conformance", "--backend", "cpu", "--conformance-group", "execution",
+        [sys.executable, "-m", "pytest", "-p", "polyrunner.tools.conformance.pytest_plugin", "--pyargs",
+         "polyrunner.tools.conformance", "--backend", "cpu", "--conformance-group", "execution",
          "--conformance-threads", "1", "-q", "-p", "no:cacheprovider", "-rs"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrunner.conformance import format_report, run_conformance
+from polyrunner.tools.conformance import format_report, run_conformance
 from polyrunner.plugins import register
 from polyrunner.plugins.manager import backend_classes, unregister
 
@@ -39,7 +39,7 @@ def test_example_plugin_passes_conformance(cpu_paged):
 
 def test_example_kv_layout_is_heads_major(cpu_paged):
     import torch
-    from polyrunner.kv_spec import KVCacheSpec
+    from polyrunner.device.kv_spec import KVCacheSpec
     from polyrunner_cpu_paged import kv_layout
     spec = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=3, head_size=8, dtype=torch.float32)
     (kv,) = kv_layout.allocate(spec, num_blocks=5)

@@ -169,7 +169,7 @@ def test_fast_model_matches_reference_model(tiny_model_factory, kind):
     shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)
     caches = [torch.randn(shape).to(dtype) for _ in range(arch.num_layers)]
     ref_caches = [c.clone() for c in caches]
-    from polyrunner.backend import ModelInputs
+    from polyrunner.device.backend import ModelInputs
     with torch.inference_mode():
         hidden = executor.run(ModelInputs(ids, meta.positions, meta, caches, torch.zeros(1, dtype=torch.long)))
         expected = ref(ids, meta.positions, meta, ref_caches)

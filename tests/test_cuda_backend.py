@@ -22,7 +22,7 @@ from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu.plugin import CPUBackend
 from polyrunner.attention.batched import STATIC_DECODE, paged_decode, sdpa_paged_attention
-from polyrunner.graphs import (GraphAPI, GraphBucketPolicy, StaticGraphExecutor,
+from polyrunner.device.graphs import (GraphAPI, GraphBucketPolicy, StaticGraphExecutor,
                                              graph_bucket_policy)
 from polyrunner.backends.cuda.plugin import CUDABackend
 from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
@@ -387,7 +387,7 @@ def test_enforce_eager_captures_nothing(sim_backend, tiny_llama):
 def _random_decode_inputs(runner, B, W, seed):
     """A decode-only batch of B requests at random positions below W blocks (the
     first at the last position), each on distinct random blocks."""
-    from polyrunner.runner import dummy_step
+    from polyrunner.runner.model_runner import dummy_step
     rng = np.random.default_rng(seed)
     bs = runner.block_size
     step = dummy_step(B, B, runner.max_blocks_per_req)

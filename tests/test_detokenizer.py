@@ -19,14 +19,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from polyrunner.detokenizer import IncrementalDetokenizer, decode_token
+from polyrunner.engine.detokenizer import IncrementalDetokenizer, decode_token
 
 REPL = "\ufffd"
 CHARS = ["a", "b", " ", "é", "€", "中", "😀", "🇫🇷", "\n", "hello", " world", "ab", "é€"]
 
 
 class StandIn:
-    """The part of polyrunner.tokenizer.Tokenizer the detokenizer uses; records decode window sizes."""
+    """The part of polyrunner.engine.tokenizer.Tokenizer the detokenizer uses; records decode window sizes."""
 
     def __init__(self, backend: Tokenizer) -> None:
         self.backend = backend
@@ -415,7 +415,7 @@ def test_decode_token():
 
 
 def test_with_polyrunner_tokenizer():
-    mod = pytest.importorskip("polyrunner.tokenizer")
+    mod = pytest.importorskip("polyrunner.engine.tokenizer")
     backend = _sentencepiece("llama")
     tok = mod.Tokenizer(backend, special_tokens={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     ids = backend.encode("hello €5 café 中 😀 world", add_special_tokens=False).ids + [tok.eos_token_id]

@@ -25,10 +25,10 @@ tokenizers = pytest.importorskip("tokenizers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from polyrunner.models import gguf_loader  # noqa: E402
+from polyrunner.models.gguf import loader as gguf_loader  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
-from polyrunner.models.gguf_loader import GGUFError, cached_gguf_folder, convert_gguf  # noqa: E402
-from polyrunner.tokenizer import Tokenizer  # noqa: E402
+from polyrunner.models.gguf.loader import GGUFError, cached_gguf_folder, convert_gguf  # noqa: E402
+from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [
     "Hello world",

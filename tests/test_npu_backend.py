@@ -18,12 +18,12 @@ import torch
 from polyrunner.attention.metadata import LayerSpec
 from polyrunner.attention.reference import reference_paged_attention, write_kv
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.graphs import graph_bucket_policy
+from polyrunner.device.graphs import graph_bucket_policy
 from polyrunner.backends.npu import plugin as npu_plugin
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, SplitKVLayout, allocate_split_kv
 from polyrunner.backends.npu.plugin import NPUBackend, explain_capture_error, npu_paged_attention
 from polyrunner.config import EngineConfig, ModelConfig, SchedulerConfig
-from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
 
@@ -201,7 +201,7 @@ def test_split_kv_num_blocks_fit_the_budget():
     """The NPU block count accounts for K and V rounding and address alignment."""
     import torch
     from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
-    from polyrunner.kv_spec import KVCacheSpec
+    from polyrunner.device.kv_spec import KVCacheSpec
     spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     for budget in (5 * ALIGNMENT * 2, 7 * ALIGNMENT * 2 + 12345, 3 * ALIGNMENT * 2):
         n = split_kv_num_blocks(spec, budget)

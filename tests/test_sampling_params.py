@@ -171,7 +171,7 @@ def test_features(kw, expected):
 
 
 def test_features_are_backend_feature_names():
-    from polyrunner.backend import SAMPLING_FEATURES
+    from polyrunner.device.backend import SAMPLING_FEATURES
 
     p = SamplingParams(top_k=2, top_p=0.5, min_p=0.1, seed=1, repetition_penalty=1.2,
                        logit_bias={1: 1}, allowed_token_ids=[1], bad_words=["x"], logprobs=1,

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import polyrunner.runner as runner_mod
+import polyrunner.runner.model_runner as runner_mod
 from polyrunner import LLM, SamplingParams
 from polyrunner.config import SchedulerConfig
-from polyrunner.kv_manager import KVCacheManager
-from polyrunner.request import Request
-from polyrunner.scheduler import Scheduler
+from polyrunner.engine.kv_manager import KVCacheManager
+from polyrunner.engine.request import Request
+from polyrunner.engine.scheduler import Scheduler
 from scheduler_driver import drive
 from tiny_models import kv_bytes
 

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyrunner.config import SchedulerConfig
-from polyrunner.kv_manager import KVCacheManager, cdiv
-from polyrunner.request import Request, RequestStatus
+from polyrunner.engine.kv_manager import KVCacheManager, cdiv
+from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.sampling_params import SamplingParams
-from polyrunner.scheduler import Scheduler
+from polyrunner.engine.scheduler import Scheduler
 from scheduler_driver import drive
 
 MAX_MODEL_LEN = 128

@@ -47,7 +47,7 @@ def make_tokenizer_folder(model_folder, out):
 @lru_cache(maxsize=None)
 def _byte_to_char() -> dict[int, str]:
     """GPT-2's byte -> printable character map (what ByteLevel pieces are made of)."""
-    from polyrunner.models.gguf_vocab import bytes_to_unicode
+    from polyrunner.models.gguf.vocab import bytes_to_unicode
     return bytes_to_unicode()
 
 

@@ -1,4 +1,4 @@
-"""polyrunner.tokenizer.Tokenizer against transformers' AutoTokenizer on folders built here."""
+"""polyrunner.engine.tokenizer.Tokenizer against transformers' AutoTokenizer on folders built here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from polyrunner.tokenizer import Tokenizer  # noqa: E402
+from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -199,7 +199,7 @@ def test_from_folder_or_none(tmp_path):
 def test_import_does_not_load_transformers():
     import subprocess
 
-    code = "import sys, polyrunner.tokenizer; print('transformers' in sys.modules, 'jinja2' in sys.modules)"
+    code = "import sys, polyrunner.engine.tokenizer; print('transformers' in sys.modules, 'jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
     assert out.stdout.split() == ["False", "False"]

@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from polyrunner.backend import GraphExecutor, ModelInputs
+from polyrunner.device.backend import GraphExecutor, ModelInputs
 from polyrunner.backends.cpu import kernels
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from polyrunner.attention.metadata import NULL_BLOCK
-from polyrunner.backend import Availability, Backend, Capabilities
+from polyrunner.device.backend import Availability, Backend, Capabilities
 from polyrunner.plugins import hookimpl
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor

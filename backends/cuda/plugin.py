@@ -27,11 +27,11 @@ import os
 import numpy as np
 import torch
 
-from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
+from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
 from polyrunner.attention.batched import sdpa_paged_attention
-from polyrunner.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
+from polyrunner.device.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
                                              graph_bucket_policy, pinned_upload, profiled_kv_budget)
-from polyrunner.buckets import BucketPolicy
+from polyrunner.device.buckets import BucketPolicy
 from polyrunner.plugins import hookimpl
 
 

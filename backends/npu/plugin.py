@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
+from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
 from polyrunner.attention.batched import STATIC_DECODE, attend_cached, sdpa_paged_attention
-from polyrunner.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
+from polyrunner.device.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
                                              graph_bucket_policy, pinned_upload, profiled_kv_budget)
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
-from polyrunner.buckets import BucketPolicy
-from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.device.buckets import BucketPolicy
+from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl
 
 logger = logging.getLogger(__name__)

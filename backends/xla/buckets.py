@@ -22,7 +22,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from polyrunner.buckets import BucketPolicy, exponential_sizes, gap_incremental_sizes
+from polyrunner.device.buckets import BucketPolicy, exponential_sizes, gap_incremental_sizes
 
 if TYPE_CHECKING:
     from polyrunner.config import EngineConfig

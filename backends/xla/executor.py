@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from polyrunner.backend import GraphExecutor, ModelInputs
-from polyrunner.buckets import BucketPolicy
+from polyrunner.device.backend import GraphExecutor, ModelInputs
+from polyrunner.device.buckets import BucketPolicy
 from polyrunner.sample import SamplerOutput
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,

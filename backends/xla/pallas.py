@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from polyrunner.attention.metadata import NULL_BLOCK, AttentionMetadata, LayerSpec
-from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.device.kv_spec import KVCacheSpec
 
 SMEM_BYTES = 1 << 20
 NUM_SEQS = "pallas_num_seqs"

@@ -27,15 +27,15 @@ import torch
 
 from polyrunner.attention.metadata import NULL_BLOCK, AttentionMetadata, LayerSpec
 from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
-from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.buckets import BucketPolicy
-from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
+from polyrunner.device.buckets import BucketPolicy
+from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 
 if TYPE_CHECKING:
     from polyrunner.config import EngineConfig
-    from polyrunner.input_prep import StepInputs
+    from polyrunner.runner.inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from polyrunner.backend import Backend
+    from polyrunner.device.backend import Backend
     from polyrunner.config import EngineConfig
 
 PROJECT = "polyrunner"

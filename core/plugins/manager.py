@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pluggy
 
-from polyrunner.backend import Availability, Backend
+from polyrunner.device.backend import Availability, Backend
 from polyrunner.plugins import hookspecs
 
 ENTRY_POINT_GROUP = "polyrunner.backends"

@@ -2,7 +2,7 @@
 
 polyrunner's core indexes every KV cache through ONE logical shape,
 `[2, num_blocks, block_size, kv_heads, head_size]` (see
-`polyrunner.kv_spec.KVCacheSpec`). A backend may store it in any physical
+`polyrunner.device.kv_spec.KVCacheSpec`). A backend may store it in any physical
 order as long as the tensor it hands back is a *view* with that logical
 shape. Here the heads come outermost, so one request's context of one head
 is a contiguous run of `num_blocks * block_size * head_size` values: the
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrunner.attention import NULL_BLOCK, AttentionMetadata, LayerSpec
-from polyrunner.kv_spec import KVCacheSpec
+from polyrunner.device.kv_spec import KVCacheSpec
 
 ALIGNMENT = 64
 

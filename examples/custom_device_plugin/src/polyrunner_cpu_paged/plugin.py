@@ -23,8 +23,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from polyrunner.backend import Availability, Backend, Capabilities, GraphExecutor, ModelInputs
-from polyrunner.buckets import BucketPolicy, exponential_sizes
+from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, ModelInputs
+from polyrunner.device.buckets import BucketPolicy, exponential_sizes
 from polyrunner.plugins import hookimpl
 
 from polyrunner_cpu_paged import kv_layout

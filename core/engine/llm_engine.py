@@ -1,0 +1,176 @@
+"""LLMEngine: validate and admit requests, step the scheduler and the runner,
+return outputs. Synchronous: one `step()` runs one batch."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from polyrunner.config import EngineConfig
+from polyrunner.engine.kv_manager import KVCacheManager, cdiv
+from polyrunner.models.source import resolve_model_folder
+from polyrunner.models.arch import DecoderArch
+from polyrunner.models.loader import load_model, read_hf_config
+from polyrunner.models.registry import resolve_model_class
+from polyrunner.engine.output_processor import OutputProcessor
+from polyrunner.outputs import RequestOutput
+from polyrunner.plugins import get_plugin_manager, select_backend
+from polyrunner.engine.request import Request
+from polyrunner.runner.model_runner import ModelRunner
+from polyrunner.sampling_params import SamplingParams
+from polyrunner.engine.scheduler import Scheduler
+from polyrunner.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | dict[str, Any]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.backend = select_backend(config.runner.backend)
+        get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
+        self.model_folder = resolve_model_folder(config.model.model)
+        hf_config = read_hf_config(self.model_folder)
+        self.arch = DecoderArch.from_hf_config(hf_config)
+        model_cls = resolve_model_class(self.arch.architecture)
+        self.max_model_len = self._max_model_len()
+        self.dtype = (self.backend.default_dtype if config.model.dtype == "auto"
+                      else _DTYPES[config.model.dtype])
+        self.backend.check_dtype(self.dtype)
+        self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
+        model = load_model(self.model_folder, model_cls, self.arch, self.backend.attention,
+                           self.max_model_len, self.dtype, self.backend.device)
+        self.runner = ModelRunner(config, self.backend, model, self.arch, self.max_model_len, self.dtype)
+        num_blocks = self.runner.initialize_kv_cache()
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._eos = self._eos_ids()
+        self._ids = itertools.count()
+        logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d",
+                    self.backend.name, self.dtype, self.max_model_len, num_blocks)
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        wanted = self.config.model.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings ({limit})")
+        return wanted or limit
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return frozenset(ids)
+
+    # ---- requests ---------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None, stream: bool = False) -> str:
+        """Validate and queue a request; raises ValueError before anything is scheduled.
+        `stream`: `step()` reports it every step, not only when finished."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text, ids = self._tokenize(prompt)
+        self._validate(ids, params)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.model_copy(update={"n": 1, "seed": None if params.seed is None else params.seed + i})
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text)
+            if params.bad_words:
+                child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
+            children.append(child)
+        self.outputs.add(request_id, children, stream)
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.arch.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]}; allowed range is [0, {vocab - 1}]")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             f"so the prompt may have at most {self.max_model_len - 1}")
+        params.validate_for_vocab(vocab)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias instead)")
+        missing = params.features() - self.backend.capabilities.sampling
+        if missing:
+            raise ValueError(f"backend {self.backend.name!r} does not support sampling features "
+                             f"{sorted(missing)} on its device")
+        total = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
+        need = cdiv(total, self.config.cache.block_size)
+        if need > self.kv.pool.num_usable_blocks:
+            raise ValueError(f"request needs {need} KV blocks but the cache holds only "
+                             f"{self.kv.pool.num_usable_blocks}; raise kv_cache_memory_bytes")
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (all its `n` completions); frees its blocks at once."""
+        for child in self.outputs.children(request_id):
+            self.scheduler.abort(child)
+        self.outputs.drop(request_id)
+        self._release_if_idle()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- stepping -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the outputs of requests that advanced (or were aborted)."""
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            self.runner.execute(so)  # still drops finished requests' state
+            return []
+        result = self.runner.execute(so)
+        updated = self.scheduler.update_from_output(so, result.sampled, result.decode_tokens)
+        touched: dict[str, None] = {}
+        for rid, rows in result.prompt_logprobs.items():
+            self.outputs.add_prompt_logprobs(rid, rows)
+        watched = self.outputs.watched
+        # unwatched requests need no output work until they finish
+        for req in updated if watched else self.scheduler.finished_in_update:
+            rid = req.request_id
+            if rid in watched:
+                new_ids = result.sampled.get(rid)
+                if new_ids is None:  # a decode: its one new token
+                    new_ids = req.output_token_ids[-1:]
+                stop = self.outputs.update(req, new_ids, result.logprobs.get(rid))
+                if stop is not None:  # a stop string wins over length/EOS in the same step
+                    self.scheduler.finish_with_stop_string(req, stop)
+            if req.finished or rid in self.outputs.streaming:
+                touched[self.outputs.parent_id(rid)] = None
+        outs = [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
+        self._release_if_idle()
+        return outs
+
+    def _release_if_idle(self) -> None:
+        """With nothing left to run, hand finished ids to the runner now (instead
+        of on the next step) so an idle engine holds no per-request state."""
+        if not self.has_unfinished_requests():
+            self.runner.execute(self.scheduler.schedule())

@@ -1,0 +1,1 @@
+"""GGUF files: weights (dequantised to a cached safetensors folder) and the vocabulary."""

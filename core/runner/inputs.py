@@ -1,0 +1,116 @@
+"""Vectorised per-step input preparation (numpy), padded to a bucket.
+
+Given the persistent batch and the tokens scheduled per row, build token ids,
+positions, slot mapping, query_start_loc, seq_lens and logits indices for
+`T` real tokens of `R` requests, padded to `(T_pad, R_pad)` with the tail
+invariants of `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT
+from polyrunner.runner.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    num_tokens: int               # T
+    num_reqs: int                 # R
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    input_ids: np.ndarray         # [T_pad] int64
+    positions: np.ndarray         # [T_pad] int64
+    slot_mapping: np.ndarray      # [T_pad] int64
+    token_to_req: np.ndarray      # [T_pad] int32
+    query_start_loc: np.ndarray   # [R_pad + 1] int32
+    seq_lens: np.ndarray          # [R_pad] int32
+    block_tables: np.ndarray      # [R_pad, max_blocks] int32
+    logits_indices: np.ndarray    # [R_pad] int64
+    discard: np.ndarray           # [R] bool: partial prefill, sample thrown away
+
+
+def cumsum_and_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[2,5,3] -> cumsum [2,7,10], arange within each count [0,1,0,1,2,3,4,0,1,2]."""
+    cu = np.cumsum(counts)
+    total = int(cu[-1]) if len(cu) else 0
+    arange = np.arange(total) - np.repeat(cu - counts, counts)
+    return cu, arange
+
+
+def _padded(a: np.ndarray, n: int, fill: int, dtype) -> np.ndarray:
+    """`a` (a fresh array, not a view of persistent state) as `dtype`, padded to `n` rows with `fill`."""
+    if len(a) == n:
+        return a.astype(dtype, copy=False)
+    out = np.empty((n,) + a.shape[1:], dtype)
+    out[:len(a)] = a
+    out[len(a):] = fill
+    return out
+
+
+def prepare_inputs(batch: InputBatch, num_scheduled: np.ndarray,
+                   padded_tokens: int, padded_reqs: int) -> StepInputs:
+    """`num_scheduled[r]` tokens for each of the batch's first R rows (decode-first order)."""
+    R = batch.num_reqs
+    nst = num_scheduled[:R]
+    computed = batch.num_computed_tokens[:R].astype(np.int64)
+    T = int(nst.sum())
+    max_query_len = int(nst.max()) if R else 0
+    decode_only = T == R and max_query_len <= 1   # one token per row
+    if decode_only:
+        req_indices = np.arange(R)
+        cu = req_indices + 1
+        positions = computed
+        seq_lens = computed + 1
+    else:
+        cu, arange = cumsum_and_arange(nst.astype(np.int64))
+        req_indices = np.repeat(np.arange(R), nst)
+        positions = computed[req_indices] + arange
+        seq_lens = computed + nst
+    token_ids = batch.token_ids[req_indices, positions]
+    slots = batch.block_table.slot_mapping(req_indices, positions)
+
+    T_pad, R_pad = max(padded_tokens, T), max(padded_reqs, R)
+    qsl = np.empty(R_pad + 1, np.int32)
+    qsl[0] = 0
+    qsl[1:R + 1] = cu
+    qsl[R + 1:] = T
+    tables = np.empty((R_pad, batch.block_table.table.shape[1]), np.int32)
+    tables[:R] = batch.block_table.table[:R]
+    tables[R:] = NULL_BLOCK
+    return StepInputs(
+        num_tokens=T, num_reqs=R, num_decodes=R if decode_only else int(np.count_nonzero(nst == 1)),
+        max_query_len=max_query_len, max_seq_len=int(seq_lens.max()) if R else 0,
+        input_ids=_padded(token_ids, T_pad, 0, np.int64),
+        positions=_padded(positions, T_pad, 0, np.int64),
+        slot_mapping=_padded(slots, T_pad, NULL_SLOT, np.int64),
+        token_to_req=_padded(req_indices, T_pad, 0, np.int32),
+        query_start_loc=qsl,
+        seq_lens=_padded(seq_lens, R_pad, 0, np.int32),
+        block_tables=tables,
+        logits_indices=_padded(cu - 1, R_pad, 0, np.int64),
+        discard=seq_lens < batch.num_tokens[:R],
+    )
+
+
+def next_decode_inputs(prev: StepInputs, sampled: np.ndarray, block_size: int) -> StepInputs | None:
+    """The inputs of an all-decode step that follows `prev`, an unpadded all-decode
+    step, on the same rows with the same block tables: every position one further,
+    each row's input the token `sampled` for it in `prev`. None when some row's new
+    position starts a block (its slot must be looked up in the block table).
+    Shares `prev`'s token_to_req, query_start_loc, block_tables, logits_indices
+    and discard arrays (none of them changes)."""
+    positions = prev.positions + 1
+    if not (positions % block_size).all():
+        return None
+    return StepInputs(
+        num_tokens=prev.num_tokens, num_reqs=prev.num_reqs, num_decodes=prev.num_decodes,
+        max_query_len=prev.max_query_len, max_seq_len=prev.max_seq_len + 1,
+        input_ids=sampled.astype(np.int64), positions=positions, slot_mapping=prev.slot_mapping + 1,
+        token_to_req=prev.token_to_req, query_start_loc=prev.query_start_loc, seq_lens=prev.seq_lens + 1,
+        block_tables=prev.block_tables, logits_indices=prev.logits_indices, discard=prev.discard,
+    )

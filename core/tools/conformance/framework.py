@@ -1,0 +1,216 @@
+"""The check registry, outcomes and the runner shared by both front-ends.
+
+A check is a plain function `fn(ctx) -> str | None` registered with
+`@check(group, requires=...)`. It passes by returning (optionally a short
+note), fails by raising `CheckFailure` (or any AssertionError), and errors
+on any other exception. A check may be skipped ONLY through `requires`:
+capability requirements read from the backend's declared `Capabilities`, so
+the report can say which capability excused it. Requirements:
+
+    "counts_graphs", "static_shapes", "async_output"   a truthy capability flag
+    "sampling:<feature>"                               feature in capabilities.sampling
+    "dtype:<name>"                                     torch.<name> in capabilities.dtypes
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from polyrunner.device.backend import Capabilities
+    from polyrunner.tools.conformance.context import ConformanceContext
+
+GROUPS = ("registration", "buckets", "kv_cache", "execution", "end_to_end", "hygiene")
+GROUP_MODULES = {g: f"polyrunner.tools.conformance.{g}" for g in GROUPS}
+
+PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+
+
+class CheckFailure(AssertionError):
+    """The backend broke the contract this check verifies."""
+
+
+def fail(message: str) -> None:
+    raise CheckFailure(message)
+
+
+def expect(condition: object, message: str) -> None:
+    if not condition:
+        raise CheckFailure(message)
+
+
+@dataclass(frozen=True)
+class Check:
+    group: str
+    name: str
+    func: Callable[["ConformanceContext"], str | None]
+    requires: tuple[str, ...] = ()
+    doc: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}::{self.name}"
+
+
+_CHECKS: dict[str, Check] = {}
+
+
+def check(group: str, *, requires: Iterable[str] = ()) -> Callable:
+    """Register `fn` as check `<group>::<fn name without a leading check_>`."""
+    if group not in GROUPS:
+        raise ValueError(f"unknown check group {group!r}; groups: {GROUPS}")
+
+    def deco(fn: Callable) -> Callable:
+        name = fn.__name__.removeprefix("check_")
+        doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        c = Check(group, name, fn, tuple(requires), doc)
+        _CHECKS[c.id] = c
+        return fn
+
+    return deco
+
+
+def all_checks() -> list[Check]:
+    """Every check, in group order, then definition order."""
+    import importlib
+    for module in GROUP_MODULES.values():
+        importlib.import_module(module)
+    order = {g: i for i, g in enumerate(GROUPS)}
+    return sorted(_CHECKS.values(), key=lambda c: order[c.group])  # stable: definition order kept
+
+
+def select_checks(groups: Iterable[str] | None = None, patterns: Iterable[str] | None = None) -> list[Check]:
+    groups = list(groups or [])
+    bad = [g for g in groups if g not in GROUPS]
+    if bad:
+        raise ValueError(f"unknown check group(s) {bad}; groups: {', '.join(GROUPS)}")
+    patterns = list(patterns or [])
+    out = []
+    for c in all_checks():
+        if groups and c.group not in groups:
+            continue
+        if patterns and not any(fnmatch.fnmatch(c.id, p) or fnmatch.fnmatch(c.name, p) for p in patterns):
+            continue
+        out.append(c)
+    return out
+
+
+def unmet_requirements(caps: "Capabilities", requires: Iterable[str]) -> list[str]:
+    """Human-readable reasons, one per requirement the declared capabilities do not meet."""
+    import torch
+    unmet = []
+    for req in requires:
+        if req.startswith("sampling:"):
+            feature = req.split(":", 1)[1]
+            if feature not in caps.sampling:
+                unmet.append(f"capabilities.sampling lacks {feature!r}")
+        elif req.startswith("dtype:"):
+            name = req.split(":", 1)[1]
+            if getattr(torch, name) not in caps.dtypes:
+                unmet.append(f"capabilities.dtypes lacks {name}")
+        else:
+            if not hasattr(caps, req):
+                raise ValueError(f"unknown capability requirement {req!r}")
+            if not getattr(caps, req):
+                unmet.append(f"capabilities.{req}={getattr(caps, req)!r}")
+    return unmet
+
+
+@dataclass
+class CheckResult:
+    group: str
+    name: str
+    outcome: str            # passed | failed | error | skipped
+    detail: str = ""
+    seconds: float = 0.0
+    excused_by: str = ""    # for skipped checks: the capability that excused it
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}::{self.name}"
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in (PASSED, SKIPPED)
+
+
+@dataclass
+class Report:
+    backend: str
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """True when no check failed or errored (skips are excused by capabilities)."""
+        return bool(self.results) and all(r.ok for r in self.results)
+
+    def group(self, name: str) -> list[CheckResult]:
+        return [r for r in self.results if r.group == name]
+
+    def get(self, check_id: str) -> CheckResult:
+        for r in self.results:
+            if r.id == check_id or r.name == check_id:
+                return r
+        raise KeyError(check_id)
+
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+    def failed_groups(self) -> set[str]:
+        return {r.group for r in self.failures()}
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "passed": self.passed, "seconds": round(self.seconds, 3),
+                "results": [asdict(r) for r in self.results]}
+
+
+def run_check(c: Check, ctx: "ConformanceContext") -> CheckResult:
+    """Run one check against a context: skip by capability, else pass/fail/error."""
+    t0 = time.perf_counter()
+    if c.group != "registration":
+        blocker = ctx.blocker()
+        if blocker:
+            return CheckResult(c.group, c.name, ERROR, blocker, 0.0)
+    if c.requires:
+        caps = ctx.capabilities
+        unmet = unmet_requirements(caps, c.requires) if caps is not None else ["no capabilities"]
+        if unmet:
+            return CheckResult(c.group, c.name, SKIPPED, "not applicable", 0.0, "; ".join(unmet))
+    try:
+        note = c.func(ctx)
+        outcome, detail = PASSED, note or ""
+    except AssertionError as exc:
+        outcome, detail = FAILED, str(exc) or type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - any crash is a conformance error, reported, not raised
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
+        outcome, detail = ERROR, f"{type(exc).__name__}: {exc}{where}"
+    return CheckResult(c.group, c.name, outcome, detail, time.perf_counter() - t0)
+
+
+def run_conformance(backend: str, *, groups: Iterable[str] | None = None,
+                    checks: Iterable[str] | None = None, settings=None, workdir: str | None = None,
+                    progress: Callable[[CheckResult], None] | None = None) -> Report:
+    """Run the conformance suite against the registered backend `backend`.
+
+    `groups` / `checks` (glob patterns over `group::name` or `name`) select a
+    subset; `settings` is a `ConformanceSettings`; `workdir` keeps the tiny
+    model and artefacts there (default: a temporary folder, removed after).
+    """
+    from polyrunner.tools.conformance.context import ConformanceContext
+    selected = select_checks(groups, checks)
+    report = Report(backend)
+    t0 = time.perf_counter()
+    with ConformanceContext(backend, settings=settings, workdir=workdir) as ctx:
+        for c in selected:
+            result = run_check(c, ctx)
+            report.results.append(result)
+            if progress is not None:
+                progress(result)
+    report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,49 @@
+"""Plain-text rendering of a conformance `Report`: one table per check group."""
+
+from __future__ import annotations
+
+from polyrunner.tools.conformance.framework import GROUPS, SKIPPED, Report
+
+MARK = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
+DETAIL_WIDTH = 110
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= DETAIL_WIDTH else text[: DETAIL_WIDTH - 3] + "..."
+
+
+def format_report(report: Report, verbose: bool = False) -> str:
+    lines = [f"polyrunner conformance: backend {report.backend!r}"]
+    for group in GROUPS:
+        results = report.group(group)
+        if not results:
+            continue
+        counts = {k: sum(r.outcome == k for r in results) for k in MARK}
+        summary = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+        lines.append("")
+        lines.append(f"[{group}] {summary}")
+        rows = [("check", "result", "time", "detail")]
+        for r in results:
+            detail = f"excused: {r.excused_by}" if r.outcome == SKIPPED else r.detail
+            rows.append((r.name, MARK[r.outcome], f"{r.seconds:.2f}s", detail if verbose else _short(detail)))
+        lines += _table(rows)
+    skipped = [r for r in report.results if r.outcome == SKIPPED]
+    lines.append("")
+    if skipped:
+        lines.append("skipped (excused by declared capabilities):")
+        lines += [f"  {r.id}: {r.excused_by}" for r in skipped]
+    failed = report.failures()
+    n = len(report.results)
+    if failed:
+        lines.append(f"FAILED: {len(failed)} of {n} checks failed in {report.seconds:.1f}s "
+                     f"(groups: {', '.join(g for g in GROUPS if g in report.failed_groups())})")
+        lines += [f"  {r.id}: {r.outcome}: {r.detail}" for r in failed]
+    else:
+        lines.append(f"PASSED: {n - len(skipped)} passed, {len(skipped)} skipped, in {report.seconds:.1f}s")
+    return "\n".join(lines)
