@@ -25,8 +25,6 @@ def get_plugin_manager() -> pluggy.PluginManager:
     if _manager is None:
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
-        from polyrunner.models import registry as model_registry
-        pm.register(model_registry, name="polyrunner.models")
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
@@ -71,6 +69,14 @@ def backend_classes() -> dict[str, type[Backend]]:
     for contributed in reversed(get_plugin_manager().hook.polyrunner_backends()):
         for cls in contributed or []:
             classes[cls.name] = cls
+    return classes
+
+
+def model_classes() -> dict[str, type]:
+    """Model classes contributed by plugins, by architecture name (later registrations win)."""
+    classes: dict[str, type] = {}
+    for contributed in reversed(get_plugin_manager().hook.polyrunner_models()):
+        classes.update(contributed or {})
     return classes
 
 

@@ -8,26 +8,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from polyrunner.tools.conformance.attention_step import HostDevice, attend, write_step
 from polyrunner.tools.conformance.batches import make_batch, model_inputs, split_counts, with_new_tokens
+from polyrunner.tools.conformance.compare import close
 from polyrunner.tools.conformance.context import generate
 from polyrunner.tools.conformance.framework import check, expect, fail
-
-# max |a - b| <= TOL * max(1, max |reference|), by the dtype the model runs in.
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    return TOLERANCE.get(dtype, 5e-2)
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float, float]:
-    got, ref = got.float(), ref.float()
-    if got.shape != ref.shape:
-        return False, float("inf"), 0.0
-    bound = tolerance(dtype) * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
-    err = float((got - ref).abs().max()) if ref.numel() else 0.0
-    return bool(torch.isfinite(got).all()) and err <= bound, err, bound
-
 
 @check("execution", requires=("counts_graphs",))
 def check_no_new_graphs_after_warmup(ctx) -> str:
@@ -135,7 +120,7 @@ def check_prepared_equals_eager(ctx) -> str:
                 got = model.compute_logits(hidden[inputs.logits_indices[:R]]).float().cpu()
                 eager_hidden = model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
                 ref = model.compute_logits(eager_hidden[inputs.logits_indices[:R]]).float().cpu()
-                ok, err, bound = _close(got, ref, dtype)
+                ok, err, bound = close(got, ref, dtype)
                 if not ok:
                     fail(f"{kind} batch of {T} tokens / {R} requests padded to ({T_pad}, {R_pad}), "
                          f"{'second' if attempt else 'first'} run: prepared logits differ from eager by "
@@ -150,7 +135,6 @@ def check_attention_matches_reference(ctx) -> str:
     """The backend's attention op gives the reference paged attention's output
     for the real tokens of a padded decode + prefill step."""
     from polyrunner.attention.reference import reference_paged_attention
-    from polyrunner.tools.conformance.kv_cache import _attend, _HostDevice, _write_step
     backend = ctx.new_backend()
     spec = ctx.kv_spec()
     num_blocks = 24
@@ -160,14 +144,14 @@ def check_attention_matches_reference(ctx) -> str:
         for t in caches:
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     ref_caches = [t.cpu().clone().contiguous() for t in caches]
-    _, step = _write_step(ctx, backend, num_blocks)
+    _, step = write_step(ctx, backend, num_blocks)
     layer = 0
-    q, k, v, out, layer_spec = _attend(ctx, backend, step, caches, layer, np.random.default_rng(2))
-    meta = model_inputs(_HostDevice(), step, ref_caches).attn
+    q, k, v, out, layer_spec = attend(ctx, backend, step, caches, layer, np.random.default_rng(2))
+    meta = model_inputs(HostDevice(), step, ref_caches).attn
     ref = reference_paged_attention(q, k, v, ref_caches[layer], meta, layer_spec)
     T = step.num_tokens
     got = out.cpu()
     expect(tuple(got.shape) == tuple(q.shape), f"attention returned shape {tuple(got.shape)}, expected {tuple(q.shape)}")
-    ok, err, bound = _close(got[:T], ref[:T], spec.dtype)
+    ok, err, bound = close(got[:T], ref[:T], spec.dtype)
     expect(ok, f"attention output of the {T} real tokens differs from the reference by {err:.3g} (> {bound:.3g})")
     return f"max |diff| {err:.2g}"

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrunner.attention.metadata import NULL_BLOCK, LayerSpec
-from polyrunner.tools.conformance.batches import make_batch, model_inputs
+from polyrunner.attention.metadata import NULL_BLOCK
+from polyrunner.tools.conformance.attention_step import HostDevice, attend, write_step
+from polyrunner.tools.conformance.batches import model_inputs
+from polyrunner.tools.conformance.compare import close
 from polyrunner.tools.conformance.framework import check, expect, fail
 
 ALLOC_BLOCKS = 6
@@ -119,41 +121,6 @@ def check_budget(ctx) -> str:
     return "; ".join(notes)
 
 
-def _write_step(ctx, backend, num_blocks: int):
-    """A decode-first step (decode at position >= 1 first) padded past its
-    real size on both axes, on distinct blocks."""
-    rng = np.random.default_rng(ctx.settings.seed + 7)
-    counts = np.array([1, 1, 5, 3], np.int32)
-    spec = ctx.kv_spec()
-    batch = make_batch(rng, counts, vocab=ctx.arch.vocab_size, block_size=spec.block_size,
-                       max_model_len=ctx.settings.max_model_len, num_blocks=num_blocks,
-                       context_budget=10 * spec.block_size, min_decode_context=spec.block_size + 1)
-    T, R = batch.num_step_tokens, batch.num_reqs
-    policy = backend.bucket_policy(ctx.make_config(adjust=backend))
-    try:  # padded tokens always; a padded request too unless R is the largest request bucket
-        T_pad, R_pad = policy.pad(T + 3, R + 1)
-    except ValueError:
-        T_pad, R_pad = policy.pad(T + 3, R)
-    return batch, batch.step(max(T_pad, T + 3), max(R_pad, R))
-
-
-def _attend(ctx, backend, step, caches, layer: int, rng):
-    spec = ctx.kv_spec()
-    a = ctx.arch
-    layer_spec = LayerSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, None)
-    inputs = model_inputs(backend, step, caches)
-    T_pad = len(step.slot_mapping)
-    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
-    q = torch.randn(T_pad, a.num_heads, a.head_dim, generator=gen).to(spec.dtype)
-    k = torch.randn(T_pad, a.num_kv_heads, a.head_dim, generator=gen).to(spec.dtype)
-    v = torch.randn(T_pad, a.num_kv_heads, a.head_dim, generator=gen).to(spec.dtype)
-    with backend.no_grad():
-        out = backend.attention(backend.to_device(q), backend.to_device(k), backend.to_device(v),
-                                caches[layer], inputs.attn, layer_spec)
-    backend.synchronize()
-    return q, k, v, out, layer_spec
-
-
 @check("kv_cache")
 def check_slot_mapping_writes(ctx) -> str:
     """The attention op writes each real token's K/V at slot_mapping (block, offset)
@@ -168,10 +135,10 @@ def check_slot_mapping_writes(ctx) -> str:
         for t in caches:  # known noise everywhere, so any stray write shows
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     before = [t.cpu().clone() for t in caches]
-    batch, step = _write_step(ctx, backend, num_blocks)
+    batch, step = write_step(ctx, backend, num_blocks)
     T = step.num_tokens
     layer = spec.num_layers - 1
-    _, k, v, _, _ = _attend(ctx, backend, step, caches, layer, np.random.default_rng(1))
+    _, k, v, _, _ = attend(ctx, backend, step, caches, layer, np.random.default_rng(1))
     after = caches[layer].cpu()
     bs = spec.block_size
     slots = step.slot_mapping[:T]
@@ -227,16 +194,16 @@ def check_unwritten_slots_never_leak(ctx) -> str:
     poison = float("nan") if garbage else 1.0e4
     caches = backend.allocate_kv_cache(spec, num_blocks)
     _check_layers(ctx, backend, spec, num_blocks, caches, "cache")
-    batch, step = _write_step(ctx, backend, num_blocks)
+    batch, step = write_step(ctx, backend, num_blocks)
     setup = batch.context_batch()
     layer = 0
     with backend.no_grad():
         caches[layer][:, NULL_BLOCK + 1:] = poison
         T_s = setup.num_step_tokens
-        _attend(ctx, backend, setup.step(T_s, setup.num_reqs), caches, layer, np.random.default_rng(3))
+        attend(ctx, backend, setup.step(T_s, setup.num_reqs), caches, layer, np.random.default_rng(3))
     before = caches[layer].cpu().clone()
-    q, k, v, out, layer_spec = _attend(ctx, backend, step, caches, layer, np.random.default_rng(4))
-    host = _HostDevice()
+    q, k, v, out, layer_spec = attend(ctx, backend, step, caches, layer, np.random.default_rng(4))
+    host = HostDevice()
     ref = reference_paged_attention(q, k, v, before, model_inputs(host, step, [before]).attn, layer_spec)
     T = step.num_tokens
     got = out.cpu()[:T]
@@ -244,24 +211,7 @@ def check_unwritten_slots_never_leak(ctx) -> str:
            f"attention output of real tokens is not finite with {'NaN' if garbage else 'large'} values in "
            "slots the step must not read (e.g. past a request's length in its last block): mask or zero "
            "them before the value product" + (" (this allocator returns uninitialised memory)" if garbage else ""))
-    from polyrunner.tools.conformance.execution import _close
-    ok, err, bound = _close(got, ref[:T], spec.dtype)
+    ok, err, bound = close(got, ref[:T], spec.dtype)
     expect(ok, f"attention output of real tokens changed by {err:.3g} (> {bound:.3g}) when unread slots hold "
                "garbage: the op reads slots outside the requests' contexts")
     return f"poison={'NaN (allocator leaves memory uninitialised)' if garbage else '1e4 (allocator zero-fills)'}"
-
-
-class _HostDevice:
-    """The host as a 'device' for building reference metadata."""
-
-    @staticmethod
-    def to_device(a):
-        return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
-
-    @staticmethod
-    def host_attention_extras(step):
-        return {}
-
-    @staticmethod
-    def build_attention_extras(meta):
-        return None
