@@ -33,12 +33,7 @@ def chain_keys(token_ids: list[int], block_size: int, parent: int = 0, start_blo
 
 @dataclass
 class PrefixCacheStats:
-    queried_tokens: int = 0
     hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 class BlockPool:

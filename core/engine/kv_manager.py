@@ -42,7 +42,6 @@ class KVCacheManager:
             if n < len(keys) and keys[n] in self._computing:
                 return None
         hits = self.pool.lookup(keys)
-        self.pool.stats.queried_tokens += req.num_tokens
         self.pool.stats.hit_tokens += len(hits) * self.block_size
         self.blocks[req.request_id] = hits
         self._keys[req.request_id] = keys[:len(hits)]

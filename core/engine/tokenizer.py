@@ -174,16 +174,8 @@ class Tokenizer:
         return self.special_tokens.get("eos_token")
 
     @property
-    def pad_token(self) -> str | None:
-        return self.special_tokens.get("pad_token")
-
-    @property
     def bos_token_id(self) -> int | None:
         return self._special_id("bos_token")
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._special_id("pad_token")
 
     @property
     def eos_token_id(self) -> int | None:

@@ -30,7 +30,6 @@ class DecoderArch:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[int | None, ...] = ()   # per layer
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
@@ -65,7 +64,6 @@ class DecoderArch:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_windows=_sliding_windows(cfg, model_type, layers),
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
 

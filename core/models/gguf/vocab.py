@@ -61,7 +61,6 @@ PRE_TOKENIZER_SPLITS = {
     "qwen35": _QWEN35_SPLIT,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
 }
-SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -36,11 +36,6 @@ class ModelShape:
     head_dim: int = 64
     vocab: int = 49152
 
-    @classmethod
-    def from_arch(cls, arch) -> "ModelShape":
-        return cls(arch.hidden_size, arch.intermediate_size, arch.num_layers, arch.num_heads,
-                   arch.num_kv_heads, arch.head_dim, arch.vocab_size)
-
     def projections(self) -> list[tuple[int, int]]:
         """(K, N) of one layer's matmuls."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -22,21 +22,12 @@ MIN_TOKEN = 3
 @dataclass(frozen=True)
 class Workload:
     name: str
-    title: str
     prompts: list[list[int]]
     max_tokens: int
 
     @property
-    def num_requests(self) -> int:
-        return len(self.prompts)
-
-    @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return self.max_tokens * len(self.prompts)
 
 
 def _random_prompts(rng: np.random.Generator, lengths: list[int]) -> list[list[int]]:
@@ -47,14 +38,11 @@ def make_workload(name: str) -> Workload:
     rng = np.random.default_rng(0)
     if name == "w1":
         lengths = rng.integers(32, 513, size=64).tolist()
-        return Workload("w1", "W1 throughput (64 req, prompt U[32,512], 128 out)",
-                        _random_prompts(rng, lengths), 128)
+        return Workload("w1", _random_prompts(rng, lengths), 128)
     if name == "w2":
-        return Workload("w2", "W2 decode-heavy (8 req, 32 prompt, 512 out)",
-                        _random_prompts(rng, [32] * 8), 512)
+        return Workload("w2", _random_prompts(rng, [32] * 8), 512)
     if name == "w3":
-        return Workload("w3", "W3 single stream (1 req, 32 prompt, 256 out)",
-                        _random_prompts(rng, [32]), 256)
+        return Workload("w3", _random_prompts(rng, [32]), 256)
     raise ValueError(f"unknown workload {name!r}; expected w1, w2 or w3")
 
 

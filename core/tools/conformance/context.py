@@ -192,10 +192,6 @@ class ConformanceContext:
                 raise EngineBuildError(self._engine_errors[key]) from exc
         return self._engines[key]
 
-    def drop_engine(self, key: str) -> None:
-        self._engines.pop(key, None)
-        gc.collect()
-
     # ---- prompts and generation ------------------------------------------------------
     def prompts(self) -> list[list[int]]:
         """Random prompts of assorted lengths (one of a single token, two sharing a
