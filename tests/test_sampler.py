@@ -33,7 +33,7 @@ MAX_LEN = 32
 
 
 class Batch:
-    """A tiny stand-in for the InputBatch: token rows + the sampling state."""
+    """A tiny stand-in for the runner's RequestStates: token rows by slot + the sampling state."""
 
     def __init__(self, max_reqs: int, vocab: int) -> None:
         self.state = SamplingState(max_reqs, vocab, CPU)
@@ -55,9 +55,9 @@ class Batch:
         self.token_ids[row, self.num_tokens[row]] = token
         self.num_tokens[row] += 1
 
-    def meta(self, discard=None):
-        return self.state.make_metadata(self.num_reqs, self.token_ids, self.num_prompt,
-                                        self.num_tokens, discard)
+    def meta(self, discard=None, idx_mapping=None):
+        idx = np.arange(self.num_reqs) if idx_mapping is None else np.asarray(idx_mapping)
+        return self.state.make_metadata(idx, self.token_ids, self.num_prompt, self.num_tokens, discard)
 
 
 def processed(batch: Batch, logits) -> np.ndarray:
@@ -198,8 +198,8 @@ def test_processor_order_bias_before_repetition_and_input_untouched():
     assert torch.equal(x, before)
 
 
-def test_row_window_metadata():
-    """start > 0: metadata row i is batch row start + i."""
+def test_idx_mapping_metadata():
+    """Metadata row i is slot idx_mapping[i]."""
     b = Batch(5, 6)
     b.add(0, SamplingParams(logit_bias={5: 50.0}, **GREEDY))
     b.add(1, SamplingParams(presence_penalty=1.0, **GREEDY), output=[5])
@@ -207,7 +207,7 @@ def test_row_window_metadata():
     b.add(3, SamplingParams(min_tokens=3, **GREEDY), output=[1], eos=frozenset({4}))
     b.add(4, SamplingParams(presence_penalty=1.0, allowed_token_ids=[0, 1, 2], seed=3),
           output=[1], bad_words=[[1, 2]])
-    m = b.state.make_metadata(5, b.token_ids, b.num_prompt, b.num_tokens, np.zeros(3, bool), start=2)
+    m = b.meta(np.zeros(3, bool), idx_mapping=[2, 3, 4])
     assert m.num_reqs == 3 and list(m.generators) == [2] and m.is_greedy.tolist() == [True, True, False]
     out = apply_logits_processors(torch.tensor([L6] * 3), m).numpy()
     np.testing.assert_allclose(out, [
@@ -340,9 +340,10 @@ def _step_logits(step: int, vocab: int = V_SEED) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(1000 + step).normal(size=vocab).astype(np.float32)) * 2
 
 
-def _run(layout: list[SamplingParams | None], row: int, steps: int, *, pass_generator: bool,
-         moves: dict[int, tuple[str, int, int]] | None = None, discard_steps=()) -> list[int]:
-    """Sample `steps` steps; return the tokens of the request that starts at `row`."""
+def _run(layout: list[SamplingParams | None], slot: int, steps: int, *, pass_generator: bool,
+         orders: dict[int, list[int]] | None = None, discard_steps=()) -> list[int]:
+    """Sample `steps` steps; return the tokens of the request in `slot`. `orders[k]`:
+    from step k on, the batch gathers these slots in this order (idx_mapping)."""
     b = Batch(len(layout), V_SEED)
     for r, p in enumerate(layout):
         if p is not None:
@@ -352,23 +353,20 @@ def _run(layout: list[SamplingParams | None], row: int, steps: int, *, pass_gene
             b.add(r, p, generator=gen)
     b.num_reqs = len(layout)
     noise = torch.Generator().manual_seed(99)
-    tokens, cur, real = [], row, 0
+    tokens, real = [], 0
+    idx = list(range(len(layout)))
     for step in range(steps):
-        if moves and step in moves:
-            kind, i, j = moves[step]
-            if kind == "move":
-                b.state.move_row(i, j)
-            else:
-                b.state.swap_rows(i, j)
-            cur = j if cur == i else (i if cur == j and kind == "swap" else cur)
-        logits = torch.randn(len(layout), V_SEED, generator=noise)
+        if orders and step in orders:
+            idx = orders[step]
+        cur = idx.index(slot)
+        logits = torch.randn(len(idx), V_SEED, generator=noise)
         # the k-th kept step sees the same logits in every run; discarded steps see others
         logits[cur] = _step_logits(real if step not in discard_steps else 10_000 + step)
-        discard = np.zeros(len(layout), dtype=bool)
+        discard = np.zeros(len(idx), dtype=bool)
         if step in discard_steps:
             discard[cur] = True
         torch.manual_seed(step * 7 + len(layout))  # the global RNG differs between runs
-        out = Sampler()(logits, b.meta(discard)).sampled_token_ids
+        out = Sampler()(logits, b.meta(discard, idx_mapping=idx)).sampled_token_ids
         if step not in discard_steps:
             tokens.append(int(out[cur]))
             real += 1
@@ -392,12 +390,13 @@ def test_seed_same_tokens_whatever_batch_and_row():
     assert other_seed != alone  # the test can fail
 
 
-def test_seed_survives_move_and_swap():
+def test_seed_survives_any_batch_row():
+    """A seeded request samples the same tokens whichever batch row its slot lands in."""
     alone = _run([SEEDED], 0, 30, pass_generator=True)
-    layout = [OTHERS[0], OTHERS[1], None, SEEDED, OTHERS[2]]
-    moved = _run(layout, 3, 30, pass_generator=True,
-                 moves={8: ("move", 3, 2), 15: ("swap", 2, 0), 22: ("swap", 4, 0)})
-    assert moved == alone
+    layout = [OTHERS[0], OTHERS[1], OTHERS[3], SEEDED, OTHERS[2]]
+    reordered = _run(layout, 3, 30, pass_generator=True,
+                     orders={8: [3, 0, 1], 15: [0, 4, 2, 3], 22: [4, 3, 1, 0, 2]})
+    assert reordered == alone
 
 
 def test_discarded_rows_do_not_advance_their_generator():
@@ -419,43 +418,33 @@ def test_discarded_rows_do_not_advance_their_generator():
     assert not torch.equal(gen.get_state(), state)
 
 
-def test_move_swap_remove_keep_params_with_request():
+def test_params_stay_with_their_slot_in_any_batch_order():
     b = Batch(4, 8)
     g = torch.Generator().manual_seed(3)
-    b.add(0, SamplingParams(temperature=0.5, top_k=3, logit_bias={2: 1.0}), generator=None)
-    b.add(1, SamplingParams(seed=3, allowed_token_ids=[1, 2], presence_penalty=0.5,
+    b.add(0, SamplingParams(temperature=0.0))
+    b.add(1, SamplingParams(temperature=0.5, top_k=3, logit_bias={2: 1.0}), generator=None)
+    b.add(3, SamplingParams(seed=3, allowed_token_ids=[1, 2], presence_penalty=0.5,
                             min_tokens=1, logprobs=2), generator=g, bad_words=[[7]],
           eos=frozenset({0}), output=[])
-    b.add(2, SamplingParams(temperature=0.0))
     s = b.state
-    s.swap_rows(0, 1)
-    assert s.generators == {0: g}
-    assert s.params[0].seed == 3 and s.params[1].top_k == 3
-    s.move_row(0, 3)   # row 0 now empty, row 3 holds the seeded request
-    s.move_row(2, 0)   # condense: greedy request into row 0
-    assert s.generators == {3: g} and s.params[0].temperature == 0.0 and s.params[2] is None
-    # rows are now: 0 greedy, 1 top_k/bias, 2 empty, 3 seeded/allowed/...
+    assert s.generators == {3: g} and s.params[2] is None
     b.num_reqs = 4
-    for col, src in ((0, 2), (3, 1)):  # the token bookkeeping moves too (the InputBatch's job)
-        b.token_ids[col], b.num_prompt[col], b.num_tokens[col] = (
-            b.token_ids[src].copy(), b.num_prompt[src], b.num_tokens[src])
-    b.token_ids[2], b.num_prompt[2], b.num_tokens[2] = 0, 1, 1
-    m = b.meta()
-    np.testing.assert_array_equal(m.allowed_token_ids_mask[3].numpy(),
+    m = b.meta(idx_mapping=[3, 1, 0])   # slot 2 is empty and not gathered
+    np.testing.assert_array_equal(m.allowed_token_ids_mask[0].numpy(),
                                   [True, False, False, True, True, True, True, True])
-    assert not m.allowed_token_ids_mask[:3].any()
+    assert not m.allowed_token_ids_mask[1:].any()
     assert m.logit_bias_rows.tolist() == [1] and m.logit_bias_ids.tolist() == [2]
-    assert m.penalty_rows.tolist() == [3]
-    assert sorted(zip(m.min_tokens_rows.tolist(), m.min_tokens_ids.tolist())) == [(3, 0)]
-    assert sorted(zip(m.bad_words_rows.tolist(), m.bad_words_ids.tolist())) == [(3, 7)]
-    assert m.top_k.tolist() == [8, 3, 8, 8] and m.num_logprobs.tolist() == [-1, -1, -1, 2]
-    assert m.is_greedy.tolist() == [True, False, False, False]
+    assert m.penalty_rows.tolist() == [0]
+    assert sorted(zip(m.min_tokens_rows.tolist(), m.min_tokens_ids.tolist())) == [(0, 0)]
+    assert sorted(zip(m.bad_words_rows.tolist(), m.bad_words_ids.tolist())) == [(0, 7)]
+    assert m.top_k.tolist() == [8, 3, 8] and m.num_logprobs.tolist() == [2, -1, -1]
+    assert m.is_greedy.tolist() == [False, False, True] and list(m.generators) == [0]
     s.remove_row(3)
-    assert s.generators == {} and s.params[3] is None
-    m = b.meta()
+    assert s.generators == {} and s.params[3] is None and not s.has_allowed[3]
+    m = b.meta(idx_mapping=[0, 1])
     assert m.allowed_token_ids_mask is None and m.penalty_rows is None and m.min_tokens_rows is None
     assert m.bad_words_rows is None and m.max_num_logprobs is None
-    # a new request reusing a row that held an allowed mask starts clean
+    # a new request reusing a slot that held an allowed mask starts clean
     s.add_row(3, SamplingParams(allowed_token_ids=[5]), None)
     s.add_row(2, SamplingParams(allowed_token_ids=[6]), None)
     s.remove_row(3)

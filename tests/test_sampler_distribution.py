@@ -72,7 +72,7 @@ def draw_batch(params: SamplingParams, n: int = N, seed: int = 0) -> np.ndarray:
     for r in range(n):
         state.add_row(r, params, None)
     ones = np.ones(n, dtype=np.int32)
-    meta = state.make_metadata(n, np.zeros((n, 2), dtype=np.int32), ones, ones)
+    meta = state.make_metadata(np.arange(n), np.zeros((n, 2), dtype=np.int32), ones, ones)
     torch.manual_seed(seed)
     logits = torch.from_numpy(LOGITS).expand(n, V).contiguous()
     tokens = Sampler()(logits, meta).sampled_token_ids.numpy()
@@ -118,7 +118,7 @@ def test_per_request_generator_distribution():
     state.add_row(0, SamplingParams(seed=11, top_k=10), torch.Generator().manual_seed(11))
     state.add_row(1, SamplingParams(temperature=0.0), None)
     ones = np.ones(2, dtype=np.int32)
-    meta = state.make_metadata(2, np.zeros((2, 2), dtype=np.int32), ones, ones)
+    meta = state.make_metadata(np.arange(2), np.zeros((2, 2), dtype=np.int32), ones, ones)
     assert list(meta.generators) == [0]
     logits = torch.from_numpy(LOGITS).expand(2, V).contiguous()
     sampler = Sampler()
@@ -133,7 +133,7 @@ def test_mixed_greedy_rows_in_random_batch():
     for r in range(n):
         state.add_row(r, SamplingParams(temperature=0.0 if r % 4 == 0 else 1.0), None)
     ones = np.ones(n, dtype=np.int32)
-    meta = state.make_metadata(n, np.zeros((n, 2), dtype=np.int32), ones, ones)
+    meta = state.make_metadata(np.arange(n), np.zeros((n, 2), dtype=np.int32), ones, ones)
     torch.manual_seed(3)
     tokens = Sampler()(torch.from_numpy(LOGITS).expand(n, V).contiguous(), meta).sampled_token_ids.numpy()
     assert np.all(tokens[::4] == int(np.argmax(LOGITS)))

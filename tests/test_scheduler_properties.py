@@ -3,11 +3,14 @@
 A fake runner "computes" scheduled tokens and samples a token for every request
 that finished its prefill, so no model is needed. Invariants checked every step:
 token budget and max_num_seqs never exceeded, blocks held == blocks needed,
-no block shared without prefix caching; at the end every request finished or
+no block shared without prefix caching, rows decode-first, every request in a
+distinct stable slot (kept across preemption, freed when it finishes); at the end every request finished or
 was aborted and every block is free.
 """
 
 import random
+
+import numpy as np
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,24 +56,26 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
         prompt = families[fam][:plen]
         reqs.append((arrival, abort_at, Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                                 min(max_tokens, MAX_MODEL_LEN - plen))))
+    first_slot = {}
     for _ in drive(sched, reqs):
         out = sched.schedule()
         assert out.total_num_tokens <= budget
-        assert len(out.scheduled) <= max_seqs
+        assert out.num_reqs <= max_seqs
         assert len(sched.running) <= max_seqs
-        sampled = {}
-        for s in out.scheduled:
-            req = s.request
-            assert s.num_tokens >= 1
-            assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
-            assert len(kv.blocks[req.request_id]) >= cdiv(req.num_computed_tokens + s.num_tokens, block_size)
-            if req.num_computed_tokens + s.num_tokens == req.num_tokens:
-                sampled[req.request_id] = [rng.randrange(3, 500)]
+        slotted = [r for r in list(sched.running) + list(sched.waiting) if r.slot is not None]
+        assert len({r.slot for r in slotted}) == len(slotted) and all(0 <= r.slot < max_seqs for r in slotted)
+        n = out.num_scheduled
+        assert not (n[1:] == 1)[n[:-1] > 1].any(), "a decode row after a prefill row"
+        for req, num, computed, slot in zip(out.requests, n.tolist(), out.num_computed.tolist(), out.slots.tolist()):
+            assert num >= 1 and slot == req.slot and computed == req.num_computed_tokens
+            assert first_slot.setdefault(req.request_id, slot) == slot, "a request changed slot"
+            assert req.num_computed_tokens + num <= req.num_tokens
+            assert len(kv.blocks[req.request_id]) >= cdiv(req.num_computed_tokens + num, block_size)
         if not prefix:  # without sharing, no block is held twice
             held = [b for bl in kv.blocks.values() for b in bl]
             assert len(held) == len(set(held))
         assert 0 not in {b for bl in kv.blocks.values() for b in bl}  # null block never handed out
-        sched.update_from_output(out, sampled)
+        sched.update(out, np.array([rng.randrange(3, 500) for _ in range(out.num_reqs)], np.int64))
     for _, _, req in reqs:
         assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED), req.status
         if req.status == RequestStatus.FINISHED_LENGTH:
@@ -78,3 +83,4 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
     assert kv.pool.num_free_blocks == num_blocks - 1
     assert not kv.blocks
     assert (kv.pool.ref_cnt[1:] == 0).all()
+    assert sched.slots.num_free == max_seqs

@@ -259,12 +259,9 @@ class CPUExecutor(GraphExecutor):
         self._set_threads(inputs.input_ids.shape[0])
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
 
-    # ---- sampling ------------------------------------------------------------------
-    def sample(self, hidden, inputs, batch, rows, discard, sampler):
-        if self.packed_logits is None or rows.start:
-            return super().sample(hidden, inputs, batch, rows, discard, sampler)
-        R = rows.stop
-        logits = self.packed_logits(self.logit_rows(hidden, inputs, R)).float()
-        meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
-                                            batch.num_tokens, discard)
-        return sampler(logits, meta)
+    # ---- logits -------------------------------------------------------------------
+    def compute_logits(self, hidden: torch.Tensor, inputs: ModelInputs, num_reqs: int) -> torch.Tensor:
+        """The LM head through its packed copy when there is one."""
+        if self.packed_logits is None:
+            return super().compute_logits(hidden, inputs, num_reqs)
+        return self.packed_logits(self.logit_rows(hidden, inputs, num_reqs)).float()

@@ -29,12 +29,13 @@ from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.device.buckets import BucketPolicy
 from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.sample import Sampler, SamplerOutput, SamplingMetadata
 
 if TYPE_CHECKING:
     from polyrunner.config import EngineConfig
-    from polyrunner.runner.input_batch import InputBatch
     from polyrunner.runner.inputs import StepInputs
-    from polyrunner.sample import Sampler, SamplerOutput
+
+_SAMPLER = Sampler()
 
 # Sampling features a backend may or may not run on its device.
 SAMPLING_FEATURES = frozenset({
@@ -110,25 +111,21 @@ class GraphExecutor:
         `hidden` itself when it has exactly R rows (one token each, already in order)."""
         return hidden if hidden.shape[0] == R else hidden[inputs.logits_indices[:R]]
 
-    def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch: "InputBatch", rows: slice,
-               discard: np.ndarray, sampler: "Sampler") -> "SamplerOutput":
-        """Logits and one sampled token for the persistent-batch rows `rows`, whose
-        hidden rows are `inputs.logits_indices[: len(rows)]`.
+    def compute_logits(self, hidden: torch.Tensor, inputs: ModelInputs, num_reqs: int) -> torch.Tensor:
+        """OPTIONAL; each step, after `run`. Float logits `[>= num_reqs, V]` of the step's
+        sampled rows: row i < num_reqs belongs to batch row i (hidden row
+        `inputs.logits_indices[i]`). A static-shape executor may return all
+        `R_pad` padded rows (the extra rows are ignored)."""
+        return self.model.compute_logits(self.logit_rows(hidden, inputs, num_reqs))
 
-        The result may hold more rows than `rows` (e.g. padded to a request
-        bucket); rows past `len(rows)` are ignored. The base class computes the
-        logits of the real rows only and runs the core sampler; it samples only
-        a batch prefix (`rows.start == 0`), which is all an unsplit step needs.
-        """
-        if rows.start:
-            raise NotImplementedError(
-                f"{type(self).__name__} cannot sample a row window starting at {rows.start}; "
-                "a backend whose steps are split must override GraphExecutor.sample")
-        R = rows.stop
-        logits = self.model.compute_logits(self.logit_rows(hidden, inputs, R))
-        meta = batch.sampling.make_metadata(R, batch.token_ids, batch.num_prompt_tokens,
-                                            batch.num_tokens, discard)
-        return sampler(logits, meta)
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """OPTIONAL; each step, after `compute_logits`. One token per row (and the
+        requested logprobs) from `logits` and the step's `SamplingMetadata`. The
+        default runs the core sampler on the first `meta.num_reqs` rows; a
+        static-shape backend may override it with its own on-device function over
+        the padded logits (it must honour every feature its `Capabilities.sampling`
+        declares). Rows past `meta.num_reqs` in the result are ignored."""
+        return _SAMPLER(logits[:meta.num_reqs], meta)
 
 
 @dataclass

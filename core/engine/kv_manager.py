@@ -95,6 +95,10 @@ class KVCacheManager:
         self.pool.cache(self.blocks[req.request_id][len(keys):n_full], new_keys)
         keys.extend(new_keys)
 
+    def block_ids(self, req: Request) -> list[int]:
+        """A copy of the blocks the request holds, in order."""
+        return list(self.blocks.get(req.request_id, ()))
+
     def free(self, req: Request) -> None:
         self.pool.free(self.blocks.pop(req.request_id, []))
         self._keys.pop(req.request_id, None)

@@ -18,7 +18,7 @@ from polyrunner.models.registry import resolve_model_class
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import get_plugin_manager, select_backend
-from polyrunner.engine.request import Request
+from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.runner.model_runner import ModelRunner
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.engine.scheduler import Scheduler
@@ -131,46 +131,32 @@ class LLMEngine:
                              f"{self.kv.pool.num_usable_blocks}; raise kv_cache_memory_bytes")
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (all its `n` completions); frees its blocks at once."""
-        for child in self.outputs.children(request_id):
-            self.scheduler.abort(child)
+        """Abort a request (all its `n` completions); frees its blocks and slot at once."""
+        aborted = [self.scheduler.abort(child) for child in self.outputs.children(request_id)]
+        self.runner.remove_requests([r.slot for r in aborted if r is not None and r.slot is not None])
         self.outputs.drop(request_id)
-        self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ---- stepping -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns the outputs of requests that advanced (or were aborted)."""
+        """Run one batch: schedule -> execute -> update -> outputs -> finish stop-string
+        hits. Returns the outputs of requests that advanced (streaming ones every
+        step, the others once finished). Finished requests' state leaves the
+        runner in this same step."""
         so = self.scheduler.schedule()
         if so.is_empty:
-            self.runner.execute(so)  # still drops finished requests' state
             return []
         result = self.runner.execute(so)
-        updated = self.scheduler.update_from_output(so, result.sampled, result.decode_tokens)
-        touched: dict[str, None] = {}
+        update = self.scheduler.update(so, result.tokens)
+        finished = update.finished
         for rid, rows in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, rows)
-        watched = self.outputs.watched
-        # unwatched requests need no output work until they finish
-        for req in updated if watched else self.scheduler.finished_in_update:
-            rid = req.request_id
-            if rid in watched:
-                new_ids = result.sampled.get(rid)
-                if new_ids is None:  # a decode: its one new token
-                    new_ids = req.output_token_ids[-1:]
-                stop = self.outputs.update(req, new_ids, result.logprobs.get(rid))
-                if stop is not None:  # a stop string wins over length/EOS in the same step
-                    self.scheduler.finish_with_stop_string(req, stop)
-            if req.finished or rid in self.outputs.streaming:
-                touched[self.outputs.parent_id(rid)] = None
-        outs = [self.outputs.output(pid) for pid in touched if self.outputs.wants_output(pid)]
-        self._release_if_idle()
-        return outs
-
-    def _release_if_idle(self) -> None:
-        """With nothing left to run, hand finished ids to the runner now (instead
-        of on the next step) so an idle engine holds no per-request state."""
-        if not self.has_unfinished_requests():
-            self.runner.execute(self.scheduler.schedule())
+        for req, stop in self.outputs.process(update.advanced, result.logprobs):
+            if not req.finished:
+                finished.append(req)
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)   # wins over length / EOS
+        if finished:
+            self.runner.remove_requests([req.slot for req in finished])
+        return self.outputs.outputs_for(update.advanced, finished)

@@ -86,6 +86,31 @@ class OutputProcessor:
         # vLLM: stop strings count only once the output has more than min_tokens tokens
         return c.detok.update(new_ids, check_stop=len(req.output_token_ids) > params.min_tokens)
 
+    def process(self, advanced: list[Request],
+                logprobs: dict[str, tuple[list[int], list[float], int]]) -> list[tuple[Request, str]]:
+        """Record this step's token of each advanced request (detokenize, logprobs);
+        returns the (request, stop string) pairs whose text hit a stop string."""
+        hits = []
+        watched = self.watched
+        if not watched:
+            return hits
+        for req in advanced:
+            rid = req.request_id
+            if rid in watched:
+                stop = self.update(req, req.output_token_ids[-1:], logprobs.get(rid))
+                if stop is not None:
+                    hits.append((req, stop))
+        return hits
+
+    def outputs_for(self, advanced: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        """The outputs this step owes: every streaming parent that advanced, and
+        every other parent whose children have all finished."""
+        touched: dict[str, None] = {}
+        for req in advanced if self.streaming else finished:
+            if req.finished or req.request_id in self.streaming:
+                touched[self._parent_of[req.request_id]] = None
+        return [self.output(pid) for pid in touched if self.wants_output(pid)]
+
     def make_logprobs(self, token_ids: list[int], logprobs: list[float], rank: int) -> PositionLogprobs:
         """First entry is the sampled (or actual) token with its rank; the rest are top-k."""
         entry: PositionLogprobs = {}

@@ -1,9 +1,17 @@
-"""Engine-side request state: tokens, progress, status, blocks."""
+"""Engine-side request state: tokens, progress, status, slot.
+
+Progress (`num_computed_tokens`) has one home: while the request holds a slot,
+the scheduler's slot-indexed array (`SlotArrays.num_computed`); the request
+reads and writes it through the property. Block ids live in the
+`KVCacheManager`; the runner keeps device-side copies updated from deltas.
+"""
 
 from __future__ import annotations
 
 import enum
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +39,9 @@ _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 @dataclass(eq=False)
 class Request:
     """One sequence being generated. `num_computed_tokens` counts tokens whose
-    KV is in the cache; the scheduler schedules `num_tokens - num_computed_tokens`."""
+    KV is in the cache; the scheduler schedules `num_tokens - num_computed_tokens`.
+    `slot`: the stable index of its per-request state (scheduler and runner),
+    held from admission until it finishes (kept across preemption)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -41,13 +51,26 @@ class Request:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finished: bool = False               # mirrors status.finished, cheap to test per step
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     bad_words_token_ids: list[list[int]] | None = None
+    slot: int | None = None
+    _progress: np.ndarray | None = field(default=None, repr=False)   # the scheduler's, while slotted
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return 0 if self._progress is None else int(self._progress[self.slot])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self._progress is None:
+            if value:
+                raise ValueError(f"request {self.request_id!r} holds no slot: its progress is 0")
+            return
+        self._progress[self.slot] = value
 
     @property
     def num_prompt_tokens(self) -> int:

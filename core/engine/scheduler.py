@@ -2,22 +2,23 @@
 
 One token budget covers prefills and decodes alike (chunked prefill splits a
 long prompt over steps). Running requests go first, in arrival order; when the
-block pool runs dry the newest running request is preempted (its blocks freed,
-recomputed later). Waiting requests are admitted while budget, `max_num_seqs`
-and blocks allow. With prefix caching, a waiting request whose prefix
-continues into blocks another request computes this step waits one step and
-then takes them from the cache, so a shared prefix is computed once.
+block pool cannot hold the step, the newest running request is preempted (its
+blocks freed, recomputed later; it keeps its slot). Waiting requests are
+admitted while budget, `max_num_seqs` and blocks allow. With prefix caching, a
+waiting request whose prefix continues into blocks another request computes
+this step waits one step and then takes them from the cache, so a shared
+prefix is computed once.
 
-The common step, where every running request decodes one token, takes a
-vectorised fast path (`_schedule_decodes`, `_update_decodes`) over a numpy
-mirror of the running requests (`RunningArrays`); it makes exactly the
-decisions of the general loop, which handles everything else.
+There is one path. The running requests' progress lives in slot-indexed arrays
+(`SlotArrays`), so a step's token counts, block needs and stop candidates are
+array operations; Python touches only the rows that need a block, complete a
+cached block, or may stop — and, unavoidably, appends each new token to its
+request's output list.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,45 +26,61 @@ import numpy as np
 from polyrunner.config import SchedulerConfig
 from polyrunner.engine.kv_manager import KVCacheManager
 from polyrunner.engine.request import Request, RequestStatus
-from polyrunner.engine.running_arrays import RunningArrays
+from polyrunner.engine.slots import SlotArrays
+from polyrunner.sampling_params import SamplingParams
 
 
 @dataclass
-class ScheduledRequest:
-    """A request in this step: the runner caches its state across steps."""
+class NewRequest:
+    """A request entering its slot for the first time: what the runner keeps."""
 
-    request: Request
-    num_tokens: int            # tokens to compute this step
-    new_block_ids: list[int]   # blocks added this step (all blocks when `is_new`)
-    is_new: bool               # first step, or resumed after preemption (runner replaces its state)
+    request_id: str
+    slot: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    bad_words_token_ids: list[list[int]] | None = None
 
 
 @dataclass
 class SchedulerOutput:
-    """This step's requests: `decodes` (one token each, not new, in order) then `others`."""
+    """One step. Rows are the scheduled requests, decodes (one token) first.
 
-    decodes: list[Request] = field(default_factory=list)
-    decode_new_blocks: dict[str, list[int]] = field(default_factory=dict)  # only decodes that grew
-    others: list[ScheduledRequest] = field(default_factory=list)
-    finished_req_ids: set[str] = field(default_factory=set)   # since the last step
+    `slots[i]` is row i's slot (the runner's `idx_mapping`); it computes
+    `num_scheduled[i]` tokens from position `num_computed[i]`. Block ids come as
+    deltas per slot: `new_block_ids[slot]` extends the slot's table, after the
+    table is emptied for slots in `reset_block_slots` (new or resumed requests).
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    num_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    new_requests: list[NewRequest] = field(default_factory=list)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    reset_block_slots: list[int] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # every request of `decodes` was also scheduled last step, and nothing else was
-    # (besides `finished_req_ids`): the runner's rows need no other change
-    decodes_were_scheduled: bool = False
 
     @property
-    def scheduled(self) -> list[ScheduledRequest]:
-        """Every scheduled request as a `ScheduledRequest` (built on each access)."""
-        new = self.decode_new_blocks
-        return [ScheduledRequest(r, 1, new.get(r.request_id, []), False) for r in self.decodes] + self.others
+    def num_reqs(self) -> int:
+        return len(self.requests)
 
     @property
     def total_num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_tokens for s in self.others)
+        return int(self.num_scheduled.sum())
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.others
+        return not self.requests
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` did: `advanced` got a new token (row order),
+    `finished` ended (length, EOS, stop ids) this step."""
+
+    advanced: list[Request]
+    finished: list[Request]
 
 
 class Scheduler:
@@ -71,18 +88,12 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.slots = SlotArrays(config.max_num_seqs, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished: set[str] = set()
         self.num_preemptions = 0
-        # fast-path state: a mirror of `running` (None: rebuild when needed), whether
-        # the last step scheduled exactly `running` as decodes, and whether the last
-        # update left a prefill unfinished (then do not rebuild the mirror to find out)
-        self._arrays: RunningArrays | None = None
-        self._fast_last_step = False
-        self._prefilling = False
-        self.finished_in_update: list[Request] = []   # finished by the last update_from_output
+        self._running_slots: np.ndarray | None = None   # slots of `running`, rebuilt on change
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -92,144 +103,144 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
+        """Finish a request as aborted; returns it (its slot already freed), or None."""
         req = self.requests.get(request_id)
-        if req is None or req.status.finished:
+        if req is None or req.finished:
             return None
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def _slots_of_running(self) -> np.ndarray:
+        if self._running_slots is None:
+            self._running_slots = np.fromiter((r.slot for r in self.running), np.int64, len(self.running))
+        return self._running_slots
+
     # ---- one step --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished)
-        self._finished = set()
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        fast = self._schedule_decodes(out, budget)
-        if fast:
-            # only finishing (reported in finished_req_ids) removed requests since
-            out.decodes_were_scheduled = self._fast_last_step
-            budget -= len(out.decodes)
-        else:
-            self._arrays = None  # the general loop changes requests behind the mirror's back
-            budget = self._schedule_running(out, budget)
-        self._admit(out, budget)  # admitted requests join `running` after the mirrored rows
-        self._fast_last_step = fast and not out.others
+        rows, counts = self._schedule_running(out, budget)
+        budget -= int(counts.sum())
+        admitted, admitted_counts = self._admit(out, budget)
+        if admitted:
+            rows = rows + admitted
+            counts = np.concatenate([counts, np.array(admitted_counts, np.int64)])
+        if not rows:
+            return out
+        slots = np.fromiter((r.slot for r in rows), np.int64, len(rows)) if admitted or len(rows) != len(
+            self.running) else self._slots_of_running()
+        if (counts > 1).any():   # decodes first (stable)
+            order = np.argsort(counts > 1, kind="stable")
+            rows = [rows[i] for i in order.tolist()]
+            slots, counts = slots[order], counts[order]
+        out.requests = rows
+        out.slots = slots.astype(np.int32)
+        out.num_scheduled = counts.astype(np.int32)
+        out.num_computed = self.slots.num_computed[slots].astype(np.int32)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> bool:
-        """Schedule one token for every running request when each has exactly one
-        token left to compute and the free blocks cover every block it needs
-        (so the general loop would preempt nobody); False (nothing done) otherwise."""
-        running = self.running
-        n = len(running)
-        if n == 0 or budget < n:
-            return False
-        a = self._arrays
-        if a is None or len(a) != n:
-            if self._prefilling:
-                return False
-            a = self._arrays = RunningArrays(running, self.kv.blocks, self.kv.block_size, self.max_model_len)
-        if not a.all_decoding:
-            return False
-        nc = a.num_computed
-        bs = self.kv.block_size
-        grow = np.flatnonzero(nc >= a.capacity)
-        if grow.size:
-            need = int(((nc[grow] + bs) // bs - a.capacity[grow] // bs).sum())
-            if need > self.kv.pool.num_free_blocks:
-                return False
-            for i in grow.tolist():
-                req = running[i]
-                out.decode_new_blocks[req.request_id] = self.kv.allocate(req, 1)
-                a.capacity[i] = len(self.kv.blocks[req.request_id]) * bs
-        out.decodes = list(running)
-        if self.kv.enable_prefix_caching:
-            # a decode completes a block only when it fills the block's last slot
-            for i in np.flatnonzero((nc + 1) % bs == 0).tolist():
-                self.kv.mark_computing(running[i], 1)
-        return True
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """The general loop over running requests (chunks, block growth, preemption);
-        returns the budget left."""
-        chunked = self.config.enable_chunked_prefill
-        kept: list[Request] = []
+    def _plan(self, slots: np.ndarray, budget: int) -> np.ndarray:
+        """Tokens for each running request (in order) under the budget."""
+        a = self.slots
+        want = a.num_tokens[slots] - a.num_computed[slots]
         threshold = self.config.long_prefill_token_threshold
-        block_size = self.kv.block_size
-        held_blocks = self.kv.blocks
-        caching = self.kv.enable_prefix_caching
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            remaining = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
-            n = min(remaining, budget, threshold) if threshold > 0 else min(remaining, budget)
-            if not chunked and n < remaining:
-                i += 1
-                kept.append(req)
+        if threshold > 0:
+            want = np.minimum(want, threshold)
+        if int(want.sum()) <= budget:
+            return want
+        take = np.zeros_like(want)
+        chunked = self.config.enable_chunked_prefill
+        for i, w in enumerate(want.tolist()):   # the budget runs out this step
+            if budget <= 0:
+                break
+            n = min(w, budget)
+            if n < w and not chunked:
                 continue
-            if req.num_computed_tokens + n <= len(held_blocks[req.request_id]) * block_size:
-                new_blocks = []  # fast path: the step fits the blocks already held
-            else:
-                new_blocks = self.kv.allocate(req, n)
-                while new_blocks is None and self.running[-1] is not req:
-                    self._preempt(self.running.pop(), out)
-                    new_blocks = self.kv.allocate(req, n)
-                if new_blocks is None:  # nothing left to preempt but itself
-                    self._preempt(self.running.pop(), out)
-                    break
-            out.others.append(ScheduledRequest(req, n, new_blocks, False))
-            if caching:
-                self.kv.mark_computing(req, n)
+            take[i] = n
             budget -= n
-            kept.append(req)
-            i += 1
-        kept.extend(self.running[i:])
-        self.running = kept
-        return budget
+        return take
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests while budget, max_num_seqs and blocks allow; returns the budget left."""
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], np.ndarray]:
+        """Plan the running requests, preempting the newest while the blocks the plan
+        needs exceed the free ones; allocate. Returns the scheduled rows and counts."""
+        bs = self.kv.block_size
+        while self.running:
+            slots = self._slots_of_running()
+            take = self._plan(slots, budget)
+            nc = self.slots.num_computed[slots]
+            # a running request holds exactly cdiv(num_computed, block_size) blocks
+            need = -(-(nc + take) // bs) - (-(-nc // bs))
+            if int(need.sum()) <= self.kv.pool.num_free_blocks:
+                break
+            self._preempt(self.running.pop(), out)
+        else:
+            return [], np.zeros(0, np.int64)
+        running = self.running
+        for i in np.flatnonzero(need).tolist():
+            req = running[i]
+            out.new_block_ids[req.slot] = self.kv.allocate(req, int(take[i]))
+        if self.kv.enable_prefix_caching:
+            for i in np.flatnonzero((nc + take) // bs > nc // bs).tolist():
+                self.kv.mark_computing(running[i], int(take[i]))
+        if take.all():
+            return list(running), take
+        keep = np.flatnonzero(take)
+        return [running[i] for i in keep.tolist()], take[keep]
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], list[int]]:
+        """Admit waiting requests while budget, max_num_seqs and blocks allow."""
+        rows: list[Request] = []
+        counts: list[int] = []
         chunked = self.config.enable_chunked_prefill
         caching = self.kv.enable_prefix_caching
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_req_ids:
                 break  # memory is short this step; admit nobody new
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:
-                hit = self.kv.take_cached_prefix(req)
-                if hit is None:
-                    break  # its prefix is being computed this step: hit it next step
-                req.num_computed_tokens = req.num_cached_tokens = hit
-            n = min(self._num_new_tokens(req), budget)
-            if not chunked and n < req.num_tokens - req.num_computed_tokens:
-                self._release_prefix(req)
+            resumed = req.slot is not None
+            if not resumed:
+                self.slots.assign(req)
+            hit = self.kv.take_cached_prefix(req)
+            if hit is None:   # its prefix is being computed this step: hit it next step
+                self._undo_admission(req, resumed)
                 break
-            new_blocks = self.kv.allocate(req, n)
-            if new_blocks is None:
-                self._release_prefix(req)
+            req.num_computed_tokens = req.num_cached_tokens = hit
+            n = req.num_tokens - req.num_computed_tokens
+            threshold = self.config.long_prefill_token_threshold
+            n = min(n, threshold, budget) if threshold > 0 else min(n, budget)
+            if not chunked and n < req.num_tokens - req.num_computed_tokens:
+                self._undo_admission(req, resumed)
+                break
+            if self.kv.allocate(req, n) is None:
+                self._undo_admission(req, resumed)
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.others.append(ScheduledRequest(req, n, list(self.kv.blocks[req.request_id]), is_new=True))
+            self._running_slots = None
+            out.reset_block_slots.append(req.slot)
+            out.new_block_ids[req.slot] = self.kv.block_ids(req)
+            if not resumed:
+                out.new_requests.append(NewRequest(req.request_id, req.slot, req.prompt_token_ids,
+                                                   req.params, req.eos_token_ids, req.bad_words_token_ids))
             if caching:
                 self.kv.mark_computing(req, n)
+            rows.append(req)
+            counts.append(n)
             budget -= n
-        return budget
+        return rows, counts
 
-    def _num_new_tokens(self, req: Request) -> int:
-        n = req.num_tokens - req.num_computed_tokens
-        threshold = self.config.long_prefill_token_threshold
-        return min(n, threshold) if threshold > 0 else n
-
-    def _release_prefix(self, req: Request) -> None:
-        """Undo a prefix-cache claim for a request that could not be admitted."""
+    def _undo_admission(self, req: Request, resumed: bool) -> None:
+        """Give back a prefix-cache claim (and a fresh slot) of a request not admitted."""
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
+        if not resumed:
+            self.slots.release(req)
+            req.slot = None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -238,90 +249,51 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self._running_slots = None
         out.preempted_req_ids.add(req.request_id)
 
     # ---- after the step ----------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: Mapping[str, Sequence[int]],
-                           decode_tokens: np.ndarray | None = None) -> list[Request]:
-        """Advance progress, append sampled tokens, apply stop rules.
-
-        `sampled`: request id -> new tokens; `decode_tokens`, when given, holds the
-        token of each of `out.decodes` in order (then `sampled` may leave them out).
-        Returns the scheduled requests that produced tokens (finished ones
-        included), decodes first; `finished_in_update` lists those that finished."""
-        self.finished_in_update = []
-        self._prefilling = False
-        decodes = out.decodes
-        if decodes:
-            if decode_tokens is None:
-                decode_tokens = np.array([sampled[r.request_id][0] for r in decodes], np.int64)
-            if self._arrays is not None and len(self._arrays) == len(decodes):
-                updated = self._update_decodes(decodes, decode_tokens)
-            else:  # a request was aborted while the step ran: the mirror is gone
-                updated = self._update_general(
-                    [ScheduledRequest(r, 1, [], False) for r in decodes],
-                    {r.request_id: [t] for r, t in zip(decodes, decode_tokens.tolist())})
+    def update(self, out: SchedulerOutput, tokens: np.ndarray) -> StepUpdate:
+        """Advance progress by the step and append `tokens[i]` to every row i whose
+        sequence the step completed (the other rows ran a partial prefill and
+        their token is ignored); apply length / EOS / stop-id rules."""
+        a = self.slots
+        slots = out.slots
+        if any(r.finished for r in out.requests):   # aborted while the step ran
+            live = np.fromiter((not r.finished for r in out.requests), bool, len(out.requests))
         else:
-            updated = []
-        if out.others:
-            updated += self._update_general(out.others, sampled)
-        a = self._arrays
-        if a is not None and len(a) != len(self.running):  # requests were admitted after its rows
-            if self._prefilling:
-                self._arrays = None
-            else:
-                a.extend(RunningArrays(self.running[len(a):], self.kv.blocks, self.kv.block_size,
-                                       self.max_model_len))
-        return updated
-
-    def _update_decodes(self, decodes: list[Request], tokens: np.ndarray) -> list[Request]:
-        """`_update_general` for the fast path: every row of the mirror got one token."""
-        for req, tok in zip(decodes, tokens.tolist()):
+            live = None
+        nc = out.num_computed.astype(np.int64) + out.num_scheduled
+        done = nc >= a.num_tokens[slots]
+        if live is not None:
+            done &= live
+            a.num_computed[slots[live]] = nc[live]
+        else:
+            a.num_computed[slots] = nc
+        rows = np.flatnonzero(done) if not done.all() else None
+        reqs = out.requests
+        if rows is None:
+            advanced = list(reqs)
+            adv_slots, adv_tokens = slots, tokens[:len(reqs)]
+        else:
+            advanced = [reqs[i] for i in rows.tolist()]
+            adv_slots, adv_tokens = slots[rows], tokens[rows]
+        for req, tok in zip(advanced, adv_tokens.tolist()):
             req.output_token_ids.append(tok)
-            req.num_computed_tokens += 1
-        a = self._arrays
-        a.num_computed += 1
+        a.num_tokens[adv_slots] += 1
         if self.kv.enable_prefix_caching:
             bs = self.kv.block_size
-            for i in np.flatnonzero(a.num_computed % bs == 0).tolist():
-                self.kv.cache_computed(decodes[i])
-        check = a.may_stop(tokens).tolist()
-        if check:
-            done = []
-            for i in check:
-                req = decodes[i]
-                self.check_stop(req)
-                if req.finished:
-                    done.append(i)
-                    self.finished_in_update.append(req)
-            if done:
-                mask = np.ones(len(a), bool)
-                mask[done] = False
-                a.keep(mask)
-            self._arrays = a   # the finished rows left the mirror as they left `running`
-        return list(decodes)
-
-    def _update_general(self, scheduled: list[ScheduledRequest],
-                        sampled: Mapping[str, Sequence[int]]) -> list[Request]:
-        updated = []
-        cache = self.kv.cache_computed if self.kv.enable_prefix_caching else None
-        for s in scheduled:
-            req = s.request
-            if req.finished:  # aborted while the step ran
-                continue
-            req.num_computed_tokens += s.num_tokens
-            if cache is not None:
-                cache(req)
-            tokens = sampled.get(req.request_id)
-            if not tokens:
-                self._prefilling = True
-                continue  # partial prefill: nothing sampled yet
-            req.output_token_ids.extend(tokens)
+            prev = out.num_computed.astype(np.int64)
+            for i in np.flatnonzero(nc // bs > prev // bs).tolist():
+                if not reqs[i].finished:
+                    self.kv.cache_computed(reqs[i])
+        finished = []
+        for i in a.may_stop(adv_slots, adv_tokens).tolist():
+            req = advanced[i]
             self.check_stop(req)
             if req.finished:
-                self.finished_in_update.append(req)
-            updated.append(req)
-        return updated
+                finished.append(req)
+        return StepUpdate(advanced, finished)
 
     def check_stop(self, req: Request) -> None:
         """max_tokens / max_model_len -> length; EOS / stop_token_ids -> stop."""
@@ -331,30 +303,29 @@ class Scheduler:
         n_out = len(outputs)
         if n_out >= params.min_tokens:
             if last in req.eos_token_ids and not params.ignore_eos:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+                self.finish(req, RequestStatus.FINISHED_STOPPED, None)
                 return
             if params.stop_token_ids and last in params.stop_token_ids:
-                self._finish(req, RequestStatus.FINISHED_STOPPED, last)
+                self.finish(req, RequestStatus.FINISHED_STOPPED, last)
                 return
         if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            self.finish(req, RequestStatus.FINISHED_LENGTH)
 
-    def finish_with_stop_string(self, req: Request, stop: str) -> None:
-        """A stop string matched (detected after the step); wins over length/EOS."""
-        if req.status.finished:
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        else:
-            self._finish(req, RequestStatus.FINISHED_STOPPED, stop)
-
-    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request: frees its blocks and slot. A request that already finished
+        this step only takes the new status and reason (a stop string found in the
+        text wins over the length / EOS rule that ended it)."""
+        if req.finished:
+            req.status, req.stop_reason = status, stop_reason
+            return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            self._arrays = None  # (the fast path's update removes the row itself)
+            self._running_slots = None
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
         req.finished = True
         req.stop_reason = stop_reason
         self.kv.free(req)
-        self._finished.add(req.request_id)
+        self.slots.release(req)   # `req.slot` still names it, for the runner
         del self.requests[req.request_id]

@@ -1,4 +1,6 @@
-"""Per-row block tables of the persistent batch (numpy) and the slot formula."""
+"""The runner's block table: one row per request slot (numpy), a device-side
+copy of the KV manager's block ids kept current from the scheduler's deltas,
+and the slot formula."""
 
 from __future__ import annotations
 
@@ -13,10 +15,9 @@ class BlockTable:
         self.table = np.full((max_num_reqs, max_blocks_per_req), NULL_BLOCK, dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
 
-    def add_row(self, row: int, block_ids: list[int]) -> None:
-        self.table[row] = NULL_BLOCK
+    def reset_row(self, row: int) -> None:
+        self.table[row, :self.num_blocks[row]] = NULL_BLOCK
         self.num_blocks[row] = 0
-        self.append_row(row, block_ids)
 
     def append_row(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:
@@ -27,16 +28,6 @@ class BlockTable:
             raise ValueError(f"row {row} needs {end} blocks, table width is {self.table.shape[1]}")
         self.table[row, start:end] = block_ids
         self.num_blocks[row] = end
-
-    def move_row(self, src: int, dst: int) -> None:
-        n = self.num_blocks[src]
-        self.table[dst, :n] = self.table[src, :n]
-        self.table[dst, n:] = NULL_BLOCK
-        self.num_blocks[dst] = n
-
-    def swap_rows(self, a: int, b: int) -> None:
-        self.table[[a, b]] = self.table[[b, a]]
-        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
 
     def slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """slot = block_table[req, pos // block_size] * block_size + pos % block_size."""

@@ -1,6 +1,7 @@
 """Vectorised per-step input preparation (numpy), padded to a bucket.
 
-Given the persistent batch and the tokens scheduled per row, build token ids,
+Given the slot-indexed request states and the scheduler output (slots, tokens
+scheduled and computed per row), build token ids,
 positions, slot mapping, query_start_loc, seq_lens and logits indices for
 `T` real tokens of `R` requests, padded to `(T_pad, R_pad)` with the tail
 invariants of `AttentionMetadata`.
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT
-from polyrunner.runner.input_batch import InputBatch
+from polyrunner.engine.scheduler import SchedulerOutput
+from polyrunner.runner.states import RequestStates
 
 
 @dataclass
@@ -52,48 +54,53 @@ def _padded(a: np.ndarray, n: int, fill: int, dtype) -> np.ndarray:
     return out
 
 
-def prepare_inputs(batch: InputBatch, num_scheduled: np.ndarray,
+def prepare_inputs(states: RequestStates, so: SchedulerOutput,
                    padded_tokens: int, padded_reqs: int) -> StepInputs:
-    """`num_scheduled[r]` tokens for each of the batch's first R rows (decode-first order)."""
-    R = batch.num_reqs
-    nst = num_scheduled[:R]
-    computed = batch.num_computed_tokens[:R].astype(np.int64)
+    """The step's inputs, gathered by slot (`so.slots`, decodes first), padded to
+    `(padded_tokens, padded_reqs)`."""
+    slots = so.slots
+    R = len(slots)
+    nst = so.num_scheduled
+    computed = so.num_computed.astype(np.int64)
     T = int(nst.sum())
     max_query_len = int(nst.max()) if R else 0
-    decode_only = T == R and max_query_len <= 1   # one token per row
+    decode_only = T == R   # one token per row
     if decode_only:
+        cu = np.arange(1, R + 1)
         req_indices = np.arange(R)
-        cu = req_indices + 1
         positions = computed
         seq_lens = computed + 1
+        token_slots = slots
     else:
         cu, arange = cumsum_and_arange(nst.astype(np.int64))
         req_indices = np.repeat(np.arange(R), nst)
         positions = computed[req_indices] + arange
         seq_lens = computed + nst
-    token_ids = batch.token_ids[req_indices, positions]
-    slots = batch.block_table.slot_mapping(req_indices, positions)
+        token_slots = slots[req_indices]
+    token_ids = states.token_ids[token_slots, positions]
+    slot_mapping = states.block_table.slot_mapping(token_slots, positions)
 
     T_pad, R_pad = max(padded_tokens, T), max(padded_reqs, R)
     qsl = np.empty(R_pad + 1, np.int32)
     qsl[0] = 0
     qsl[1:R + 1] = cu
     qsl[R + 1:] = T
-    tables = np.empty((R_pad, batch.block_table.table.shape[1]), np.int32)
-    tables[:R] = batch.block_table.table[:R]
+    table = states.block_table.table
+    tables = np.empty((R_pad, table.shape[1]), np.int32)
+    tables[:R] = table[slots]
     tables[R:] = NULL_BLOCK
     return StepInputs(
         num_tokens=T, num_reqs=R, num_decodes=R if decode_only else int(np.count_nonzero(nst == 1)),
         max_query_len=max_query_len, max_seq_len=int(seq_lens.max()) if R else 0,
         input_ids=_padded(token_ids, T_pad, 0, np.int64),
         positions=_padded(positions, T_pad, 0, np.int64),
-        slot_mapping=_padded(slots, T_pad, NULL_SLOT, np.int64),
+        slot_mapping=_padded(slot_mapping, T_pad, NULL_SLOT, np.int64),
         token_to_req=_padded(req_indices, T_pad, 0, np.int32),
         query_start_loc=qsl,
         seq_lens=_padded(seq_lens, R_pad, 0, np.int32),
         block_tables=tables,
         logits_indices=_padded(cu - 1, R_pad, 0, np.int64),
-        discard=seq_lens < batch.num_tokens[:R],
+        discard=seq_lens < states.num_tokens[slots],
     )
 
 

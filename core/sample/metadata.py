@@ -53,10 +53,3 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None    # [Rp] f32
     prompt_token_mask: torch.Tensor | None = None       # [Rp, V] bool: token in the prompt
     output_token_counts: torch.Tensor | None = None     # [Rp, V] int32: count in the output
-
-    # ---- host bookkeeping -------------------------------------------------
-    discard: np.ndarray | None = None  # [R] bool: partial prefills, sample thrown away
-
-    @property
-    def no_penalties(self) -> bool:
-        return self.penalty_rows is None

@@ -1,9 +1,9 @@
-"""Persistent per-row sampling state of the running batch.
+"""Per-request sampling state, one row per request slot.
 
-One row per running request; the persistent InputBatch owns the row layout
-and mirrors every change here (`add_row`, `remove_row`, `move_row`,
-`swap_rows`). Per-row scalars live in numpy arrays on the host; each step
-`make_metadata` uploads only what that step needs:
+A request's row is its slot (`add_row` when it enters, `remove_row` when it
+finishes); rows never move. Per-row scalars live in numpy arrays on the host;
+each step `make_metadata(idx_mapping, ...)` gathers the step's rows (batch row
+i is slot `idx_mapping[i]`) and uploads only what that step needs:
 
 - scalars (temperature, top-k/p, min-p, penalties, logit-bias pairs) are
   uploaded when the rows changed since the last step, else reused;
@@ -12,8 +12,7 @@ and mirrors every change here (`add_row`, `remove_row`, `move_row`,
   when some row has a penalty;
 - min_tokens and bad-word masks are (row, token) pairs computed on the host
   from the current output lengths / tails;
-- allowed_token_ids lives in a lazily allocated device mask [max_reqs, V]
-  whose rows move with their requests.
+- allowed_token_ids lives in a lazily allocated device mask [max_reqs, V].
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ class _Static:
     """The part of the metadata that depends only on the rows' params."""
 
     kwargs: dict[str, Any]
-    penalty_rows: np.ndarray | None = None      # batch rows with a penalty
+    penalty_rows: np.ndarray | None = None      # slots with a penalty
     min_tok_pair_rows: np.ndarray | None = None  # (batch row, stop id) candidates for min_tokens
     min_tok_pair_ids: np.ndarray | None = None
     bad_word_rows: list[int] = field(default_factory=list)
@@ -85,7 +84,7 @@ class SamplingState:
         self._static_key: tuple[int, int] | None = None
         self._static: _Static | None = None
 
-    # ---- row management (called by the InputBatch) ----------------------
+    # ---- row management (called by the runner's RequestStates) ------------
     def add_row(self, row: int, params: SamplingParams, generator: torch.Generator | None,
                 bad_words_ids: list[list[int]] | None = None, *,
                 eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -152,47 +151,6 @@ class SamplingState:
         self._reset(row)
         self._version += 1
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Move src's request into dst (dst's content is dropped); src becomes empty."""
-        self._check_row(src)
-        self._check_row(dst)
-        if src == dst:
-            return
-        self._reset(dst)
-        for name, _, _ in _SCALARS:
-            arr = getattr(self, name)
-            arr[dst] = arr[src]
-        for name in _OBJECTS:
-            lst = getattr(self, name)
-            lst[dst] = lst[src]
-        if src in self.generators:
-            self.generators[dst] = self.generators[src]
-        if self.has_allowed[src]:
-            self._allowed_mask[dst] = self._allowed_mask[src]
-        self._reset(src)
-        self._version += 1
-
-    def swap_rows(self, i: int, j: int) -> None:
-        self._check_row(i)
-        self._check_row(j)
-        if i == j:
-            return
-        for name, _, _ in _SCALARS:
-            arr = getattr(self, name)
-            arr[[i, j]] = arr[[j, i]]
-        for name in _OBJECTS:
-            lst = getattr(self, name)
-            lst[i], lst[j] = lst[j], lst[i]
-        gi, gj = self.generators.pop(i, None), self.generators.pop(j, None)
-        if gj is not None:
-            self.generators[i] = gj
-        if gi is not None:
-            self.generators[j] = gi
-        if self.has_allowed[i] or self.has_allowed[j]:
-            mask = self._allowed_mask
-            mask[[i, j]] = mask[[j, i]]
-        self._version += 1
-
     def _reset(self, row: int) -> None:
         if self.has_allowed[row]:
             self._allowed_mask[row] = False
@@ -220,97 +178,94 @@ class SamplingState:
             return t
         return t.to(self.device, non_blocking=True)
 
-    def make_metadata(self, num_reqs: int, token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
-                      num_tokens: np.ndarray, discard: np.ndarray | None = None, *,
-                      start: int = 0) -> SamplingMetadata:
-        """Metadata for sampling rows [start, num_reqs) this step (row i of the
-        metadata and of the logits is batch row start + i; start > 0 is for
-        backends that run a step as several row windows).
+    def make_metadata(self, idx_mapping: np.ndarray, token_ids: np.ndarray,
+                      num_prompt_tokens: np.ndarray, num_tokens: np.ndarray,
+                      discard: np.ndarray | None = None) -> SamplingMetadata:
+        """Metadata for one step whose batch row i is slot `idx_mapping[i]`.
 
-        token_ids: [max_reqs, max_model_len] int32, row r = prompt then output
-          tokens, valid up to num_tokens[r] (the tokens before this step's sample).
-        num_prompt_tokens, num_tokens: int arrays indexed by batch row.
-        discard: bool [num_reqs - start], rows whose sample is thrown away
-          (partial prefills); they do not draw from their generator. None = none.
+        token_ids: [max_reqs, max_model_len] int32, row = slot, prompt then
+          output tokens, valid up to num_tokens[slot] (before this step's sample).
+        num_prompt_tokens, num_tokens: int arrays indexed by slot.
+        discard: bool [R], batch rows whose sample is thrown away (partial
+          prefills); they do not draw from their generator. None = none.
         """
-        if not 0 <= start <= num_reqs <= self.max_num_reqs:
-            raise ValueError(f"rows [{start}, {num_reqs}) out of range [0, {self.max_num_reqs}]")
-        n = num_reqs - start
-        key = (self._version, start, num_reqs)
+        slots = np.asarray(idx_mapping, dtype=np.int64)
+        n = len(slots)
+        key = (self._version, slots.tobytes())
         if self._static_key != key:
-            self._static, self._static_key = self._build_static(start, num_reqs), key
+            self._static, self._static_key = self._build_static(slots), key
         static = self._static
-        if discard is None:
-            discard = np.zeros(n, dtype=bool)
-        else:
-            discard = np.asarray(discard, dtype=bool)[:n].copy()
 
         gens: dict[int, torch.Generator] = {}
         if self.generators and not static.kwargs["all_greedy"]:
-            gens = {r - start: g for r, g in self.generators.items()
-                    if start <= r < num_reqs and not self.greedy[r] and not discard[r - start]}
-        meta = SamplingMetadata(num_reqs=n, generators=gens, discard=discard,
-                                default_generator=self.default_generator, **static.kwargs)
+            for i, slot in enumerate(slots.tolist()):
+                g = self.generators.get(slot)
+                if g is not None and not self.greedy[slot] and (discard is None or not discard[i]):
+                    gens[i] = g
+        meta = SamplingMetadata(num_reqs=n, generators=gens, default_generator=self.default_generator,
+                                **static.kwargs)
 
         if static.penalty_rows is not None:
             self._penalty_counts(meta, static.penalty_rows, token_ids, num_prompt_tokens, num_tokens)
         if static.min_tok_pair_rows is not None:
-            rows = static.min_tok_pair_rows  # absolute rows
-            num_out = np.asarray(num_tokens, dtype=np.int64)[rows] - num_prompt_tokens[rows]
-            sel = num_out < self.min_tokens[rows]
+            rows = static.min_tok_pair_rows  # batch rows
+            pair_slots = slots[rows]
+            num_out = np.asarray(num_tokens, dtype=np.int64)[pair_slots] - num_prompt_tokens[pair_slots]
+            sel = num_out < self.min_tokens[pair_slots]
             if sel.any():
-                meta.min_tokens_rows = self._upload(rows[sel] - start)
+                meta.min_tokens_rows = self._upload(rows[sel])
                 meta.min_tokens_ids = self._upload(static.min_tok_pair_ids[sel])
         if static.bad_word_rows:
-            self._bad_word_pairs(meta, static.bad_word_rows, start, token_ids, num_prompt_tokens,
+            self._bad_word_pairs(meta, static.bad_word_rows, slots, token_ids, num_prompt_tokens,
                                  num_tokens)
         return meta
 
-    def _build_static(self, start: int, stop: int) -> _Static:
+    def _build_static(self, slots: np.ndarray) -> _Static:
         vocab = self.vocab_size
-        rows = slice(start, stop)
-        greedy = self.greedy[rows]
-        all_greedy = bool(greedy.all()) if stop > start else True
+        greedy = self.greedy[slots]
+        all_greedy = bool(greedy.all()) if len(slots) else True
         all_random = not bool(greedy.any())
         random_rows = ~greedy
         kw: dict[str, Any] = dict(all_greedy=all_greedy, all_random=all_random)
         if not all_greedy:
-            kw["temperature"] = self._upload(self.temperature[rows])
+            kw["temperature"] = self._upload(self.temperature[slots])
             if not all_random:
                 kw["is_greedy"] = self._upload(greedy)
-            if (random_rows & (self.top_k[rows] < vocab)).any():
-                kw["top_k"] = self._upload(self.top_k[rows])
-            if (random_rows & (self.top_p[rows] < 1.0)).any():
-                kw["top_p"] = self._upload(self.top_p[rows])
-            if (random_rows & (self.min_p[rows] > 0.0)).any():
-                kw["min_p"] = self._upload(self.min_p[rows])
-        num_logprobs = self.num_logprobs[rows].copy()
+            top_k, top_p, min_p = self.top_k[slots], self.top_p[slots], self.min_p[slots]
+            if (random_rows & (top_k < vocab)).any():
+                kw["top_k"] = self._upload(top_k)
+            if (random_rows & (top_p < 1.0)).any():
+                kw["top_p"] = self._upload(top_p)
+            if (random_rows & (min_p > 0.0)).any():
+                kw["min_p"] = self._upload(min_p)
+        num_logprobs = self.num_logprobs[slots]
         kw["num_logprobs"] = num_logprobs
         if (num_logprobs >= 0).any():
             kw["max_num_logprobs"] = int(num_logprobs.max())
-        if self.has_allowed[rows].any():
-            kw["allowed_token_ids_mask"] = self._allowed_mask[rows]
-        bias_rows = start + np.flatnonzero(self.has_bias[rows])
+        if self.has_allowed[slots].any():
+            kw["allowed_token_ids_mask"] = self._allowed_mask[torch.from_numpy(slots).to(self.device)]
+        bias_rows = np.flatnonzero(self.has_bias[slots])
         if bias_rows.size:
-            pairs = [self.bias[r] for r in bias_rows]
-            kw["logit_bias_rows"] = self._upload(np.repeat(bias_rows - start, [len(p[0]) for p in pairs]))
+            pairs = [self.bias[s] for s in slots[bias_rows].tolist()]
+            kw["logit_bias_rows"] = self._upload(np.repeat(bias_rows, [len(p[0]) for p in pairs]))
             kw["logit_bias_ids"] = self._upload(np.concatenate([p[0] for p in pairs]))
             kw["logit_bias_values"] = self._upload(np.concatenate([p[1] for p in pairs]))
         static = _Static(kw)
-        pen_rows = start + np.flatnonzero(self.has_penalty[rows])
+        pen_rows = np.flatnonzero(self.has_penalty[slots])
         if pen_rows.size:
-            static.penalty_rows = pen_rows
-            kw["penalty_rows"] = self._upload(pen_rows - start)
-            kw["presence_penalties"] = self._upload(self.presence[pen_rows])
-            kw["frequency_penalties"] = self._upload(self.frequency[pen_rows])
-            kw["repetition_penalties"] = self._upload(self.repetition[pen_rows])
-        mt_rows = [r for r in start + np.flatnonzero(self.min_tokens[rows] > 0)
-                   if self.stop_ids[r] is not None]
+            pen_slots = slots[pen_rows]
+            static.penalty_rows = pen_slots
+            kw["penalty_rows"] = self._upload(pen_rows)
+            kw["presence_penalties"] = self._upload(self.presence[pen_slots])
+            kw["frequency_penalties"] = self._upload(self.frequency[pen_slots])
+            kw["repetition_penalties"] = self._upload(self.repetition[pen_slots])
+        mt_rows = [i for i in np.flatnonzero(self.min_tokens[slots] > 0).tolist()
+                   if self.stop_ids[slots[i]] is not None]
         if mt_rows:
             static.min_tok_pair_rows = np.repeat(np.array(mt_rows, dtype=np.int64),
-                                                 [len(self.stop_ids[r]) for r in mt_rows])
-            static.min_tok_pair_ids = np.concatenate([self.stop_ids[r] for r in mt_rows])
-        static.bad_word_rows = [int(r) for r in start + np.flatnonzero(self.has_bad_words[rows])]
+                                                 [len(self.stop_ids[slots[i]]) for i in mt_rows])
+            static.min_tok_pair_ids = np.concatenate([self.stop_ids[slots[i]] for i in mt_rows])
+        static.bad_word_rows = np.flatnonzero(self.has_bad_words[slots]).tolist()
         return static
 
     def _penalty_counts(self, meta: SamplingMetadata, rows: np.ndarray, token_ids: np.ndarray,
@@ -336,22 +291,23 @@ class SamplingState:
         meta.prompt_token_mask = prompt_mask[:, :vocab]
         meta.output_token_counts = counts[:, :vocab]
 
-    def _bad_word_pairs(self, meta: SamplingMetadata, rows: list[int], start: int,
+    def _bad_word_pairs(self, meta: SamplingMetadata, rows: list[int], slots: np.ndarray,
                         token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
                         num_tokens: np.ndarray) -> None:
         """(row, token) pairs blocked by bad words: a word's last token is blocked
         when its other tokens equal the tail of the generated output."""
         pair_rows: list[int] = []
         pair_ids: list[int] = []
-        for r in rows:
-            n_tok = int(num_tokens[r])
-            n_out = n_tok - int(num_prompt_tokens[r])
-            for word in self.bad_words[r]:
+        for i in rows:
+            s = int(slots[i])
+            n_tok = int(num_tokens[s])
+            n_out = n_tok - int(num_prompt_tokens[s])
+            for word in self.bad_words[s]:
                 prefix = len(word) - 1
                 if prefix > n_out:
                     continue
-                if prefix == 0 or np.array_equal(token_ids[r, n_tok - prefix:n_tok], word[:-1]):
-                    pair_rows.append(r - start)
+                if prefix == 0 or np.array_equal(token_ids[s, n_tok - prefix:n_tok], word[:-1]):
+                    pair_rows.append(i)
                     pair_ids.append(int(word[-1]))
         if pair_rows:
             meta.bad_words_rows = self._upload(np.array(pair_rows, dtype=np.int64))

@@ -1,7 +1,7 @@
 """Synthetic steps: real `prepare_inputs` output for chosen batch shapes.
 
-`SyntheticBatch` stands in for the runner's persistent batch (the arrays
-`prepare_inputs` reads), so the checks drive the core's own input
+`SyntheticBatch` stands in for the runner's slot-indexed request states (the
+arrays `prepare_inputs` reads; slot r is row r), so the checks drive the core's own input
 preparation and padding, with block ids, contexts and token ids they choose.
 """
 
@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.runner.block_table import BlockTable
 from polyrunner.runner.inputs import StepInputs, prepare_inputs
 
@@ -34,7 +35,9 @@ class SyntheticBatch:
         return int(self.num_scheduled.sum())
 
     def step(self, T_pad: int, R_pad: int) -> StepInputs:
-        return prepare_inputs(self, self.num_scheduled, T_pad, R_pad)
+        so = SchedulerOutput(slots=np.arange(self.num_reqs, dtype=np.int32), num_scheduled=self.num_scheduled,
+                             num_computed=self.num_computed_tokens)
+        return prepare_inputs(self, so, T_pad, R_pad)
 
     def context_batch(self) -> "SyntheticBatch | None":
         """The step that writes these requests' contexts (rows with context > 0), from position 0."""
@@ -43,7 +46,7 @@ class SyntheticBatch:
             return None
         table = BlockTable(len(rows), self.block_table.table.shape[1], self.block_table.block_size)
         for i, r in enumerate(rows):
-            table.add_row(i, self.block_table.table[r, : self.block_table.num_blocks[r]].tolist())
+            table.append_row(i, self.block_table.table[r, : self.block_table.num_blocks[r]].tolist())
         ctx = self.num_computed_tokens[rows]
         order = np.concatenate([np.flatnonzero(ctx == 1), np.flatnonzero(ctx != 1)])  # decode-first
         table.table, table.num_blocks = table.table[order], table.num_blocks[order]
@@ -91,7 +94,7 @@ def make_batch(rng: np.random.Generator, counts: np.ndarray, *, vocab: int, bloc
     table = BlockTable(R, max_blocks, block_size)
     start = 0
     for r in range(R):
-        table.add_row(r, blocks[start: start + need[r]].tolist())
+        table.append_row(r, blocks[start: start + need[r]].tolist())
         start += need[r]
     token_ids = np.zeros((R, max_model_len), np.int64)
     token_ids[:, :] = rng.integers(3, vocab, size=(R, max_model_len))

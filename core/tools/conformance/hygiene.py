@@ -18,9 +18,8 @@ DEVICE_GROWTH_BYTES = 64 * 1024 * 1024
 
 
 def _idle(engine) -> list[str]:
-    """What the engine still holds once no request is unfinished (after one
-    idle step, which delivers the last finished ids to the runner)."""
-    engine.step()
+    """What the engine still holds once no request is unfinished (finished and
+    aborted requests leave the runner in the step they end: no idle step needed)."""
     pool, kv, runner = engine.kv.pool, engine.kv, engine.runner
     leftovers = []
     if pool.num_free_blocks != pool.num_usable_blocks:
@@ -28,10 +27,9 @@ def _idle(engine) -> list[str]:
                          "KV blocks still allocated")
     if kv.blocks:
         leftovers.append(f"block tables of {sorted(kv.blocks)}")
-    if runner.states:
-        leftovers.append(f"runner states of {sorted(runner.states)}")
-    if runner.batch.num_reqs:
-        leftovers.append(f"{runner.batch.num_reqs} persistent-batch rows")
+    held = [r for r in runner.states.req_ids if r is not None]
+    if held:
+        leftovers.append(f"runner slots still holding {sorted(held)}")
     if engine.scheduler.requests:
         leftovers.append(f"scheduler requests {sorted(engine.scheduler.requests)}")
     return leftovers
@@ -40,7 +38,7 @@ def _idle(engine) -> list[str]:
 @check("hygiene")
 def check_blocks_and_states_released(ctx) -> str:
     """After a run (and after aborting requests mid-way) all KV blocks are free
-    and runner, batch and scheduler states are empty."""
+    and the runner's slots and the scheduler's requests are empty."""
     from polyrunner.sampling_params import SamplingParams
     engine = ctx.engine("e2e")
     generate(engine, ctx.prompts(), SamplingParams(temperature=0.0, max_tokens=ctx.settings.max_tokens,
