@@ -2,7 +2,7 @@
 
 polyrunner's core indexes every KV cache through ONE logical shape,
 `[2, num_blocks, block_size, kv_heads, head_size]` (see
-`polyrunner.device.kv_spec.KVCacheSpec`). A backend may store it in any physical
+`polyrunner.plugin_api.KVCacheSpec`). A backend may store it in any physical
 order as long as the tensor it hands back is a *view* with that logical
 shape. Here the heads come outermost, so one request's context of one head
 is a contiguous run of `num_blocks * block_size * head_size` values: the
@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyrunner.attention import NULL_BLOCK, AttentionMetadata, LayerSpec
-from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec
 
 ALIGNMENT = 64
 

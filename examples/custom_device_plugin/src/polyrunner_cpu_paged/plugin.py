@@ -23,9 +23,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, ModelInputs
-from polyrunner.device.buckets import BucketPolicy, exponential_sizes
-from polyrunner.plugins import hookimpl
+from polyrunner.plugin_api import (Availability, Backend, BucketPolicy, Capabilities, GraphExecutor, ModelInputs,
+                                   exponential_sizes, hookimpl)
 
 from polyrunner_cpu_paged import kv_layout
 

@@ -1,0 +1,77 @@
+"""The one import a device plugin needs: everything a plugin may use, by name.
+
+    from polyrunner.plugin_api import Availability, Backend, BucketPolicy, Capabilities, hookimpl
+
+A plugin imports `polyrunner.plugin_api` (plus torch, numpy and its own
+device library) and nothing else from polyrunner: the modules behind these
+names may move, these names stay. See `docs/plugins.md` for the contract
+(what is REQUIRED or OPTIONAL, when the core calls it, what it must keep
+true) and `examples/minimal_plugin.py` for a whole plugin in one page.
+
+- registration: `hookimpl` (mark `polyrunner_backends`, `polyrunner_models`,
+  `polyrunner_adjust_config`), `register` (run-time registration);
+- the backend contract: `Backend`, `Availability`, `Capabilities`,
+  `SAMPLING_FEATURES`, `GraphExecutor`, `ModelInputs`, `HostFuture`;
+- padding: `BucketPolicy` and the bucket-list helpers `capture_sizes`
+  (CUDA-graph style), `exponential_sizes` (powers of two) and
+  `gap_incremental_sizes` (TPU style);
+- KV cache: `KVCacheSpec`;
+- attention: `AttentionMetadata`, `LayerSpec`, `NULL_BLOCK`, `NULL_SLOT`, the
+  reference op `reference_paged_attention` and its pieces `write_kv`,
+  `causal_mask`; the plain-torch fast paths `sdpa_paged_attention` and
+  `attend_cached` (`STATIC_DECODE` marks a graph-captured decode), and the
+  static-shape op `static_shape_paged_attention` (its per-token block tables
+  under `TOKEN_BLOCK_TABLES`);
+- stream graphs for devices with a CUDA-like API: `GraphAPI`,
+  `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`,
+  `profiled_kv_budget`, `pinned_upload`, `async_to_host`;
+- `EngineConfig`: the configuration the hooks and `Backend` methods receive.
+"""
+
+from __future__ import annotations
+
+from polyrunner.attention.batched import STATIC_DECODE, attend_cached, sdpa_paged_attention
+from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT, AttentionMetadata, LayerSpec
+from polyrunner.attention.reference import causal_mask, reference_paged_attention, write_kv
+from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
+from polyrunner.config import EngineConfig
+from polyrunner.device.backend import (
+    SAMPLING_FEATURES,
+    Availability,
+    Backend,
+    Capabilities,
+    GraphExecutor,
+    HostFuture,
+    ModelInputs,
+)
+from polyrunner.device.buckets import BucketPolicy, capture_sizes, exponential_sizes, gap_incremental_sizes
+from polyrunner.device.graphs import (
+    GraphAPI,
+    StaticGraphExecutor,
+    TorchGraphAPI,
+    async_to_host,
+    graph_bucket_policy,
+    pinned_upload,
+    profiled_kv_budget,
+)
+from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.plugins import hookimpl, register
+
+__all__ = [
+    # registration
+    "hookimpl", "register",
+    # the backend contract
+    "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
+    "HostFuture", "EngineConfig",
+    # padding buckets
+    "BucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
+    # KV cache
+    "KVCacheSpec",
+    # attention
+    "AttentionMetadata", "LayerSpec", "NULL_BLOCK", "NULL_SLOT", "reference_paged_attention", "write_kv",
+    "causal_mask", "sdpa_paged_attention", "attend_cached", "STATIC_DECODE", "static_shape_paged_attention",
+    "TOKEN_BLOCK_TABLES",
+    # stream graphs (CUDA-like device modules)
+    "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "profiled_kv_budget",
+    "pinned_upload", "async_to_host",
+]
