@@ -53,7 +53,7 @@ class AttentionMetadata:
     # Host copies (numpy) for backends that dispatch per request on the host.
     query_start_loc_np: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
     seq_lens_np: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    # Backend-specific additions (built by Backend.build_attention_extras).
+    # Backend-specific additions: Backend.host_attention_extras' arrays (on the device), executor flags.
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property

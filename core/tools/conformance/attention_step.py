@@ -58,7 +58,3 @@ class HostDevice:
     @staticmethod
     def host_attention_extras(step):
         return {}
-
-    @staticmethod
-    def build_attention_extras(meta):
-        return None
