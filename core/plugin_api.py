@@ -25,7 +25,13 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`,
   `profiled_kv_budget`, `pinned_upload`, `async_to_host`;
-- `EngineConfig`: the configuration the hooks and `Backend` methods receive.
+- sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
+  rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
+  core `Sampler` and its pieces (`compute_logprobs`, `gather_logprobs`,
+  `apply_top_k_top_p`, `apply_min_p`, `LogprobsTensors`, `LogprobsLists`) for
+  a backend's own on-device sampling function (`GraphExecutor.sample`);
+- `EngineConfig`: the configuration the hooks and `Backend` methods receive;
+  `StepInputs`: a step's padded host arrays (`Backend.host_attention_extras`).
 """
 
 from __future__ import annotations
@@ -56,13 +62,26 @@ from polyrunner.device.graphs import (
 )
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl, register
+from polyrunner.runner.inputs import StepInputs
+from polyrunner.sample import (
+    LogprobsLists,
+    LogprobsTensors,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    apply_min_p,
+    apply_top_k_top_p,
+    compute_logprobs,
+    gather_logprobs,
+)
+from polyrunner.sample.metadata import HostSamplingRows
 
 __all__ = [
     # registration
     "hookimpl", "register",
     # the backend contract
     "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
-    "HostFuture", "EngineConfig",
+    "HostFuture", "EngineConfig", "StepInputs",
     # padding buckets
     "BucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache
@@ -71,6 +90,9 @@ __all__ = [
     "AttentionMetadata", "LayerSpec", "NULL_BLOCK", "NULL_SLOT", "reference_paged_attention", "write_kv",
     "causal_mask", "sdpa_paged_attention", "attend_cached", "STATIC_DECODE", "static_shape_paged_attention",
     "TOKEN_BLOCK_TABLES",
+    # sampling (a backend may supply its own over padded logits)
+    "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
+    "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",
     # stream graphs (CUDA-like device modules)
     "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "profiled_kv_budget",
     "pinned_upload", "async_to_host",

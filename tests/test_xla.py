@@ -1,10 +1,11 @@
 """The XLA backend on the CPU PJRT device (PJRT_DEVICE=CPU): greedy parity with
-the CPU backend, zero compilations after warm-up in strict mode, split steps,
-and sampling on padded request rows.
+the CPU backend, zero compilations after warm-up in strict mode, max_num_seqs
+capped at the largest request bucket, and sampling on padded request rows.
 
 One strict engine is shared by the module to keep the number of compiled
-graphs small (2 cores in CI). Its request buckets stop at 16 while it runs up
-to 24 requests, so busy steps are split into row windows.
+graphs small (2 cores in CI). Its request buckets stop at 16 while it is asked
+for 24 requests: the backend's `polyrunner_adjust_config` caps max_num_seqs at
+16, so every step fits one bucket and the rest wait their turn.
 """
 
 import os
@@ -30,17 +31,7 @@ def folder(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def xla_llm(folder):
-    llm = LLM(str(folder), backend="xla", strict_no_recompile=True, request_buckets=[8, 16], **OPTIONS)
-    runner = llm.engine.runner
-    runner.split_steps = 0
-    execute_split = runner._execute_split
-
-    def counting(*args, **kwargs):
-        runner.split_steps += 1
-        return execute_split(*args, **kwargs)
-
-    runner._execute_split = counting
-    return llm
+    return LLM(str(folder), backend="xla", strict_no_recompile=True, request_buckets=[8, 16], **OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +72,28 @@ def test_greedy_matches_cpu(xla_llm, cpu_llm):
     assert _ids(_gen(xla_llm, prompts, params)) == _ids(_gen(cpu_llm, prompts, params))
 
 
-def test_split_batch_every_row(xla_llm, cpu_llm):
-    """24 distinct requests at once: steps of 17..24 rows run as windows of 16 + the
-    rest. Every row must equal the unsplit CPU run (a window that read rows 0..n-1
-    of the batch instead of its own would repeat the first window's requests)."""
-    prompts = _prompts(MAX_SEQS, seed=2, lo=2, hi=9)  # short prompts: all 24 run together soon
+def test_max_num_seqs_capped_at_the_largest_request_bucket(xla_llm, cpu_llm):
+    """24 distinct requests at once with max_num_seqs capped at 16: at most 16 run in
+    a step, every one lands in its own slot, and each row equals the CPU run (which
+    runs all 24 together)."""
+    assert xla_llm.engine.config.scheduler.max_num_seqs == 16
+    assert cpu_llm.engine.config.scheduler.max_num_seqs == MAX_SEQS
+    prompts = _prompts(MAX_SEQS, seed=2, lo=2, hi=9)
     lengths = [4 + i % 7 for i in range(MAX_SEQS)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    before = xla_llm.engine.runner.split_steps
-    got = _ids(_gen(xla_llm, prompts, params))
-    assert xla_llm.engine.runner.split_steps > before, "no step was split"
+    sizes = []
+    execute = xla_llm.engine.runner.execute
+
+    def recording(so):
+        sizes.append(so.num_reqs)
+        return execute(so)
+
+    xla_llm.engine.runner.execute = recording
+    try:
+        got = _ids(_gen(xla_llm, prompts, params))
+    finally:
+        del xla_llm.engine.runner.execute
+    assert max(sizes) == 16
     want = _ids(_gen(cpu_llm, prompts, params))
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"row {i}: {g} != {w}"
@@ -123,17 +126,15 @@ def test_200_requests_compile_nothing_new(xla_llm):
 
 
 def test_seeded_sampling_is_reproducible(xla_llm):
-    """A seeded request samples the same tokens alone and as the last row of a
-    full, split batch (its sampling parameters come from its own row)."""
+    """A seeded request samples the same tokens alone and as the last request of a
+    crowd that fills every slot (its sampling parameters come from its own slot)."""
     prompt = _prompts(1, seed=5)[0]
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
     alone = _ids(_gen(xla_llm, [prompt], p))[0]
     assert _ids(_gen(xla_llm, [prompt], p))[0] == alone
     crowd = _prompts(MAX_SEQS - 1, seed=6, lo=2, hi=6)
-    before = xla_llm.engine.runner.split_steps
     mixed = _gen(xla_llm, crowd + [prompt],
                  [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)] * (MAX_SEQS - 1) + [p])
-    assert xla_llm.engine.runner.split_steps > before
     assert _ids(mixed)[-1] == alone
     other = _ids(_gen(xla_llm, [prompt], SamplingParams(temperature=1.0, seed=99, max_tokens=10,
                                                        ignore_eos=True)))[0]

@@ -1,6 +1,6 @@
 """XLA backend pieces that need no torch_xla: buckets, the probe without
 torch_xla, the static-shape attention and the static sampling functions
-(plain torch on the CPU), and the runner's row windows for split steps."""
+(plain torch on the CPU)."""
 
 import importlib.util
 import math

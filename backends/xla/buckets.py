@@ -22,10 +22,10 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from polyrunner.device.buckets import BucketPolicy, exponential_sizes, gap_incremental_sizes
+from polyrunner.plugin_api import BucketPolicy, exponential_sizes, gap_incremental_sizes
 
 if TYPE_CHECKING:
-    from polyrunner.config import EngineConfig
+    from polyrunner.plugin_api import EngineConfig
 
 logger = logging.getLogger(__name__)
 

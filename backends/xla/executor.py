@@ -34,9 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from polyrunner.device.backend import GraphExecutor, ModelInputs
-from polyrunner.device.buckets import BucketPolicy
-from polyrunner.sample import SamplerOutput
+from polyrunner.plugin_api import BucketPolicy, GraphExecutor, ModelInputs, SamplerOutput, SamplingMetadata
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,
     STOP_WIDTH,
@@ -206,25 +204,24 @@ class XLAGraphExecutor(GraphExecutor):
         self._sync("logprobs", {"reqs": int(logits.shape[0]), "k": k})
         return lp
 
-    def sample(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice,
-               discard: np.ndarray, sampler) -> SamplerOutput:
-        """Sample the rows `rows` of the persistent batch over all `R_pad` padded rows."""
+    def compute_logits(self, hidden: torch.Tensor, inputs: ModelInputs, num_reqs: int) -> torch.Tensor:
+        """Logits of all `R_pad` padded rows (select and logits graphs per bucket)."""
         with no_grad_not_inference():
-            return self._sample_rows(hidden, inputs, batch, rows)
+            return self._logits(self._select(hidden, inputs.logits_indices))
 
-    def _sample_rows(self, hidden: torch.Tensor, inputs: ModelInputs, batch, rows: slice) -> SamplerOutput:
-        R_pad = int(inputs.logits_indices.shape[0])
-        logits = self._logits(self._select(hidden, inputs.logits_indices))
-        si = build_sampling_inputs(batch, rows, R_pad, logits.shape[1], self.rng,
-                                   STOP_WIDTH, self.max_logprobs)
-        if si.host_only:
-            return self._sample_on_host(logits, si)
-        tokens = self._sample(logits, si, si.all_greedy)
-        logprobs = None
-        if si.max_logprobs >= 0:
-            lp = self._logprobs(logits, tokens)
-            logprobs = RowLogprobs(lp.token_ids, lp.logprobs, lp.ranks, si.num_logprobs)
-        return SamplerOutput(tokens, logprobs)
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample all `R_pad` padded rows with the precompiled graphs."""
+        with no_grad_not_inference():
+            si = build_sampling_inputs(meta.host_rows(), logits.shape[0], logits.shape[1], self.rng,
+                                       STOP_WIDTH, self.max_logprobs)
+            if si.host_only:
+                return self._sample_on_host(logits, si)
+            tokens = self._sample(logits, si, si.all_greedy)
+            logprobs = None
+            if si.max_logprobs >= 0:
+                lp = self._logprobs(logits, tokens)
+                logprobs = RowLogprobs(lp.token_ids, lp.logprobs, lp.ranks, si.num_logprobs)
+            return SamplerOutput(tokens, logprobs)
 
     def _sample_on_host(self, logits: torch.Tensor, si: SamplingInputs) -> SamplerOutput:
         """Same functions on the host, for a step the graphs cannot hold (more stop ids

@@ -26,8 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrunner.attention.metadata import NULL_BLOCK, AttentionMetadata, LayerSpec
-from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec
 
 SMEM_BYTES = 1 << 20
 NUM_SEQS = "pallas_num_seqs"

@@ -25,17 +25,25 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from polyrunner.attention.metadata import NULL_BLOCK, AttentionMetadata, LayerSpec
-from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
-from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.device.buckets import BucketPolicy
-from polyrunner.device.kv_spec import KVCacheSpec
-from polyrunner.plugins import hookimpl
 from polyrunner.backends.xla.buckets import xla_bucket_policy
+from polyrunner.plugin_api import (
+    NULL_BLOCK,
+    TOKEN_BLOCK_TABLES,
+    AttentionMetadata,
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    GraphExecutor,
+    HostFuture,
+    KVCacheSpec,
+    LayerSpec,
+    hookimpl,
+    static_shape_paged_attention,
+)
 
 if TYPE_CHECKING:
-    from polyrunner.config import EngineConfig
-    from polyrunner.runner.inputs import StepInputs
+    from polyrunner.plugin_api import EngineConfig, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +62,7 @@ class XLABackend(Backend):
     name = "xla"
     priority = 20
     capabilities = Capabilities(graph_mode="xla", static_shapes=True, counts_graphs=True,
-                                async_output=False, dtypes=(torch.float32, torch.bfloat16),
-                                sampling=XLA_SAMPLING)
-    communicator_backend = "xla"
+                                dtypes=(torch.float32, torch.bfloat16), sampling=XLA_SAMPLING)
 
     def __init__(self) -> None:
         self._device: torch.device | None = None
@@ -210,3 +216,17 @@ class XLABackend(Backend):
 @hookimpl
 def polyrunner_backends() -> list[type[Backend]]:
     return [XLABackend]
+
+
+@hookimpl
+def polyrunner_adjust_config(config: "EngineConfig", backend: Backend) -> None:
+    """Compiled shapes end at the largest request bucket (which a kernel's request
+    limit may hold below max_num_seqs): cap max_num_seqs there, so every step
+    fits one bucket."""
+    if not isinstance(backend, XLABackend):
+        return
+    largest = backend.bucket_policy(config).request_buckets[-1]
+    sched = config.scheduler
+    if sched.max_num_seqs > largest:
+        logger.info("xla: max_num_seqs %d -> %d, the largest request bucket", sched.max_num_seqs, largest)
+        sched.max_num_seqs = largest

@@ -26,8 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from polyrunner.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs, gather_logprobs
-from polyrunner.sample.ops import apply_min_p, apply_top_k_top_p
+from polyrunner.plugin_api import (
+    HostSamplingRows,
+    LogprobsLists,
+    LogprobsTensors,
+    apply_min_p,
+    apply_top_k_top_p,
+    compute_logprobs,
+    gather_logprobs,
+)
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
@@ -113,47 +120,39 @@ class SamplingInputs:
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.is_greedy, self.keys)
 
 
-def build_sampling_inputs(batch, rows: slice, padded_rows: int, vocab: int,
+def build_sampling_inputs(rows: HostSamplingRows, padded_rows: int, vocab: int,
                           rng: np.random.Generator, stop_width: int = STOP_WIDTH,
                           max_logprobs: int = MAX_LOGPROBS) -> SamplingInputs:
-    """Read rows `rows` of the persistent batch's `SamplingState` into padded arrays."""
-    s = batch.sampling
-    start, stop = rows.start or 0, rows.stop
-    n = stop - start
+    """The step's rows (`SamplingMetadata.host_rows()`) as arrays padded to `padded_rows`."""
+    n = len(rows.greedy)
     R = max(padded_rows, n)
-    greedy = s.greedy[start:stop]
-    is_greedy = np.ones(R, bool)
-    is_greedy[:n] = greedy
-    temperature = np.ones(R, np.float32)
-    temperature[:n] = s.temperature[start:stop]
-    top_k = np.full(R, vocab, np.int64)
-    top_k[:n] = s.top_k[start:stop]
-    top_p = np.ones(R, np.float32)
-    top_p[:n] = s.top_p[start:stop]
-    min_p = np.zeros(R, np.float32)
-    min_p[:n] = s.min_p[start:stop]
 
-    num_out = (batch.num_tokens[start:stop].astype(np.int64)
-               - batch.num_prompt_tokens[start:stop].astype(np.int64))
+    def padded(values: np.ndarray, fill, dtype) -> np.ndarray:
+        out = np.full(R, fill, dtype)
+        out[:n] = values
+        return out
+
+    is_greedy = padded(rows.greedy, True, bool)
+    temperature = padded(rows.temperature, 1.0, np.float32)
+    top_k = padded(rows.top_k, vocab, np.int64)
+    top_p = padded(rows.top_p, 1.0, np.float32)
+    min_p = padded(rows.min_p, 0.0, np.float32)
     keys = np.zeros(R, np.int64)
-    all_greedy = bool(greedy.all())
+    all_greedy = bool(rows.greedy.all())
     if not all_greedy:
         seeds = rng.integers(0, 1 << 62, size=n, dtype=np.int64).astype(np.uint64)
-        for i in range(n):
-            params = s.params[start + i]
-            if params is not None and params.seed is not None:
-                seeds[i] = np.uint64(params.seed)
-        keys[:n] = row_keys(seeds, num_out)
+        seeds[rows.seeded] = rows.seed[rows.seeded]
+        keys[:n] = row_keys(seeds, rows.num_output_tokens)
 
-    active = [i for i in np.flatnonzero(num_out < s.min_tokens[start:stop])
-              if s.stop_ids[start + i] is not None]
-    width = max([stop_width] + [len(s.stop_ids[start + i]) for i in active])
+    active = [i for i in np.flatnonzero(rows.num_output_tokens < rows.min_tokens).tolist()
+              if rows.stop_ids[i] is not None]
+    width = max([stop_width] + [len(rows.stop_ids[i]) for i in active])
     stop_ids = np.full((R, width), vocab, np.int64)
     for i in active:
-        ids = s.stop_ids[start + i]
+        ids = rows.stop_ids[i]
         stop_ids[i, :len(ids)] = ids
 
-    num_logprobs = s.num_logprobs[start:stop].copy()
+    num_logprobs = rows.num_logprobs.copy()
     max_lp = int(num_logprobs.max()) if n else -1
     host_only = width > stop_width or max_lp > min(max_logprobs, vocab)
     return SamplingInputs(n, all_greedy, stop_ids, temperature, top_k, top_p, min_p, is_greedy,

@@ -42,20 +42,25 @@ class NewRequest:
     bad_words_token_ids: list[list[int]] | None = None
 
 
+_NO_ROWS = np.zeros(0, np.int32)
+_NO_ROWS.flags.writeable = False
+
+
 @dataclass
 class SchedulerOutput:
     """One step. Rows are the scheduled requests, decodes (one token) first.
 
     `slots[i]` is row i's slot (the runner's `idx_mapping`); it computes
-    `num_scheduled[i]` tokens from position `num_computed[i]`. Block ids come as
+    `num_scheduled[i]` tokens from position `num_computed[i]` (int64 arrays,
+    read-only for consumers). Block ids come as
     deltas per slot: `new_block_ids[slot]` extends the slot's table, after the
     table is emptied for slots in `reset_block_slots` (new or resumed requests).
     """
 
     requests: list[Request] = field(default_factory=list)
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    num_scheduled: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    num_computed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    slots: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    num_scheduled: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    num_computed: np.ndarray = field(default_factory=lambda: _NO_ROWS)
     new_requests: list[NewRequest] = field(default_factory=list)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
     reset_block_slots: list[int] = field(default_factory=list)
@@ -94,6 +99,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._running_slots: np.ndarray | None = None   # slots of `running`, rebuilt on change
+        self._num_finished = 0                  # requests finished so far
+        self._num_finished_at_schedule = 0      # ... when the last step was scheduled
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -122,31 +129,28 @@ class Scheduler:
     # ---- one step --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._num_finished_at_schedule = self._num_finished
         budget = self.config.max_num_batched_tokens
-        rows, counts = self._schedule_running(out, budget)
-        budget -= int(counts.sum())
-        admitted, admitted_counts = self._admit(out, budget)
+        rows, slots, counts, computed = self._schedule_running(out, budget)
+        admitted = self._admit(out, budget - int(counts.sum()))
         if admitted:
-            rows = rows + admitted
-            counts = np.concatenate([counts, np.array(admitted_counts, np.int64)])
+            new_slots = np.array([r.slot for r, _ in admitted], np.int64)
+            rows = rows + [r for r, _ in admitted]
+            slots = np.concatenate([slots, new_slots])
+            counts = np.concatenate([counts, np.array([n for _, n in admitted], np.int64)])
+            computed = np.concatenate([computed, self.slots.num_computed[new_slots]])
         if not rows:
             return out
-        slots = np.fromiter((r.slot for r in rows), np.int64, len(rows)) if admitted or len(rows) != len(
-            self.running) else self._slots_of_running()
         if (counts > 1).any():   # decodes first (stable)
             order = np.argsort(counts > 1, kind="stable")
             rows = [rows[i] for i in order.tolist()]
-            slots, counts = slots[order], counts[order]
-        out.requests = rows
-        out.slots = slots.astype(np.int32)
-        out.num_scheduled = counts.astype(np.int32)
-        out.num_computed = self.slots.num_computed[slots].astype(np.int32)
+            slots, counts, computed = slots[order], counts[order], computed[order]
+        out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
         return out
 
-    def _plan(self, slots: np.ndarray, budget: int) -> np.ndarray:
+    def _plan(self, slots: np.ndarray, nc: np.ndarray, budget: int) -> np.ndarray:
         """Tokens for each running request (in order) under the budget."""
-        a = self.slots
-        want = a.num_tokens[slots] - a.num_computed[slots]
+        want = self.slots.num_tokens[slots] - nc
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             want = np.minimum(want, threshold)
@@ -164,37 +168,40 @@ class Scheduler:
             budget -= n
         return take
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], np.ndarray]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int
+                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray]:
         """Plan the running requests, preempting the newest while the blocks the plan
-        needs exceed the free ones; allocate. Returns the scheduled rows and counts."""
+        needs exceed the free ones; allocate. Returns the scheduled rows, their
+        slots, token counts and computed tokens."""
         bs = self.kv.block_size
         while self.running:
             slots = self._slots_of_running()
-            take = self._plan(slots, budget)
             nc = self.slots.num_computed[slots]
+            take = self._plan(slots, nc, budget)
             # a running request holds exactly cdiv(num_computed, block_size) blocks
-            need = -(-(nc + take) // bs) - (-(-nc // bs))
-            if int(need.sum()) <= self.kv.pool.num_free_blocks:
+            need = (nc + take - 1) // bs - (nc - 1) // bs
+            grow = np.flatnonzero(need)
+            if not grow.size or int(need[grow].sum()) <= self.kv.pool.num_free_blocks:
                 break
             self._preempt(self.running.pop(), out)
         else:
-            return [], np.zeros(0, np.int64)
+            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS
         running = self.running
-        for i in np.flatnonzero(need).tolist():
+        for i in grow.tolist():
             req = running[i]
             out.new_block_ids[req.slot] = self.kv.allocate(req, int(take[i]))
         if self.kv.enable_prefix_caching:
             for i in np.flatnonzero((nc + take) // bs > nc // bs).tolist():
                 self.kv.mark_computing(running[i], int(take[i]))
         if take.all():
-            return list(running), take
+            return list(running), slots, take, nc
         keep = np.flatnonzero(take)
-        return [running[i] for i in keep.tolist()], take[keep]
+        return [running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep]
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> tuple[list[Request], list[int]]:
-        """Admit waiting requests while budget, max_num_seqs and blocks allow."""
-        rows: list[Request] = []
-        counts: list[int] = []
+    def _admit(self, out: SchedulerOutput, budget: int) -> list[tuple[Request, int]]:
+        """Admit waiting requests while budget, max_num_seqs and blocks allow;
+        returns them with their token counts."""
+        admitted: list[tuple[Request, int]] = []
         chunked = self.config.enable_chunked_prefill
         caching = self.kv.enable_prefix_caching
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -229,10 +236,9 @@ class Scheduler:
                                                    req.params, req.eos_token_ids, req.bad_words_token_ids))
             if caching:
                 self.kv.mark_computing(req, n)
-            rows.append(req)
-            counts.append(n)
+            admitted.append((req, n))
             budget -= n
-        return rows, counts
+        return admitted
 
     def _undo_admission(self, req: Request, resumed: bool) -> None:
         """Give back a prefix-cache claim (and a fresh slot) of a request not admitted."""
@@ -258,24 +264,19 @@ class Scheduler:
         sequence the step completed (the other rows ran a partial prefill and
         their token is ignored); apply length / EOS / stop-id rules."""
         a = self.slots
-        slots = out.slots
-        if any(r.finished for r in out.requests):   # aborted while the step ran
-            live = np.fromiter((not r.finished for r in out.requests), bool, len(out.requests))
-        else:
-            live = None
-        nc = out.num_computed.astype(np.int64) + out.num_scheduled
+        reqs, slots = out.requests, out.slots
+        nc = out.num_computed + out.num_scheduled
         done = nc >= a.num_tokens[slots]
-        if live is not None:
+        if self._num_finished != self._num_finished_at_schedule:   # aborted while the step ran
+            live = np.fromiter((not r.finished for r in reqs), bool, len(reqs))
             done &= live
             a.num_computed[slots[live]] = nc[live]
         else:
             a.num_computed[slots] = nc
-        rows = np.flatnonzero(done) if not done.all() else None
-        reqs = out.requests
-        if rows is None:
-            advanced = list(reqs)
-            adv_slots, adv_tokens = slots, tokens[:len(reqs)]
+        if done.all():
+            advanced, adv_slots, adv_tokens = list(reqs), slots, tokens[:len(reqs)]
         else:
+            rows = np.flatnonzero(done)
             advanced = [reqs[i] for i in rows.tolist()]
             adv_slots, adv_tokens = slots[rows], tokens[rows]
         for req, tok in zip(advanced, adv_tokens.tolist()):
@@ -283,8 +284,7 @@ class Scheduler:
         a.num_tokens[adv_slots] += 1
         if self.kv.enable_prefix_caching:
             bs = self.kv.block_size
-            prev = out.num_computed.astype(np.int64)
-            for i in np.flatnonzero(nc // bs > prev // bs).tolist():
+            for i in np.flatnonzero(nc // bs > out.num_computed // bs).tolist():
                 if not reqs[i].finished:
                     self.kv.cache_computed(reqs[i])
         finished = []
@@ -325,6 +325,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.finished = True
+        self._num_finished += 1
         req.stop_reason = stop_reason
         self.kv.free(req)
         self.slots.release(req)   # `req.slot` still names it, for the runner

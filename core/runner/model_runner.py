@@ -143,7 +143,7 @@ class ModelRunner:
         all_decode = T == R and T_pad == T and R_pad == R
         step = None
         if (all_decode and last is not None and not so.new_block_ids
-                and np.array_equal(last[0], so.slots)):
+                and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
             step = next_decode_inputs(last[1], last[3], self.block_size)
         if step is None:
             step = prepare_inputs(states, so, T_pad, R_pad)
@@ -157,7 +157,7 @@ class ModelRunner:
                                                  states.num_tokens, step.discard)
             out = self.executor.sample(logits, meta)
             prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
-        tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64)
+        tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64, copy=False)
         keep = np.flatnonzero(~step.discard) if step.discard.any() else None
         states.append(so.slots if keep is None else so.slots[keep], tokens if keep is None else tokens[keep])
         result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps)

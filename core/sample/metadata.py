@@ -10,9 +10,28 @@ that have one (`penalty_rows`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
+
+
+@dataclass
+class HostSamplingRows:
+    """The step's per-row sampling parameters as host numpy arrays (R rows), for a
+    backend that samples over padded static shapes with its own function."""
+
+    greedy: np.ndarray            # [R] bool
+    temperature: np.ndarray       # [R] f32 (greedy rows 1.0)
+    top_k: np.ndarray             # [R] int64 (vocab_size = off)
+    top_p: np.ndarray             # [R] f32
+    min_p: np.ndarray             # [R] f32
+    seeded: np.ndarray            # [R] bool
+    seed: np.ndarray              # [R] uint64: the seed's 64 bits
+    num_output_tokens: np.ndarray  # [R] int64, before this step's token
+    min_tokens: np.ndarray        # [R] int64
+    stop_ids: list[np.ndarray | None]  # [R] stop/EOS ids masked until min_tokens (None: none)
+    num_logprobs: np.ndarray      # [R] int64, -1 = none
 
 
 @dataclass
@@ -53,3 +72,7 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None    # [Rp] f32
     prompt_token_mask: torch.Tensor | None = None       # [Rp, V] bool: token in the prompt
     output_token_counts: torch.Tensor | None = None     # [Rp, V] int32: count in the output
+
+    # ---- host view ------------------------------------------------------------
+    # builds the rows' parameters as host arrays on demand (static-shape samplers)
+    host_rows: Callable[[], HostSamplingRows] | None = None

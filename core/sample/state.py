@@ -17,13 +17,14 @@ i is slot `idx_mapping[i]`) and uploads only what that step needs:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from polyrunner.sample.metadata import SamplingMetadata
+from polyrunner.sample.metadata import HostSamplingRows, SamplingMetadata
 from polyrunner.sampling_params import SamplingParams
 
 # Per-row host scalars: (attribute, dtype, value of an empty row).
@@ -41,6 +42,8 @@ _SCALARS: tuple[tuple[str, Any, Any], ...] = (
     ("has_penalty", np.bool_, False),
     ("min_tokens", np.int64, 0),
     ("num_logprobs", np.int64, -1),     # -1: none; full vocab stored as vocab_size
+    ("seeded", np.bool_, False),
+    ("seed", np.uint64, 0),             # the seed's 64 bits (seeds span [-2**63, 2**64))
     ("has_allowed", np.bool_, False),
     ("has_bias", np.bool_, False),
     ("has_bad_words", np.bool_, False),
@@ -120,6 +123,9 @@ class SamplingState:
         self.repetition[row] = params.repetition_penalty
         self.has_penalty[row] = params.has_penalties
         self.min_tokens[row] = params.min_tokens
+        if params.seed is not None:
+            self.seeded[row] = True
+            self.seed[row] = params.seed & 0xFFFFFFFFFFFFFFFF
         if params.min_tokens > 0 and stop_ids.size:
             self.stop_ids[row] = stop_ids
         if params.logprobs is not None:
@@ -203,6 +209,8 @@ class SamplingState:
                 if g is not None and not self.greedy[slot] and (discard is None or not discard[i]):
                     gens[i] = g
         meta = SamplingMetadata(num_reqs=n, generators=gens, default_generator=self.default_generator,
+                                host_rows=functools.partial(self._host_rows, slots, num_prompt_tokens,
+                                                            num_tokens),
                                 **static.kwargs)
 
         if static.penalty_rows is not None:
@@ -219,6 +227,15 @@ class SamplingState:
             self._bad_word_pairs(meta, static.bad_word_rows, slots, token_ids, num_prompt_tokens,
                                  num_tokens)
         return meta
+
+    def _host_rows(self, slots: np.ndarray, num_prompt_tokens: np.ndarray,
+                   num_tokens: np.ndarray) -> HostSamplingRows:
+        return HostSamplingRows(
+            greedy=self.greedy[slots], temperature=self.temperature[slots], top_k=self.top_k[slots],
+            top_p=self.top_p[slots], min_p=self.min_p[slots], seeded=self.seeded[slots], seed=self.seed[slots],
+            num_output_tokens=num_tokens[slots].astype(np.int64) - num_prompt_tokens[slots],
+            min_tokens=self.min_tokens[slots], stop_ids=[self.stop_ids[s] for s in slots.tolist()],
+            num_logprobs=self.num_logprobs[slots])
 
     def _build_static(self, slots: np.ndarray) -> _Static:
         vocab = self.vocab_size

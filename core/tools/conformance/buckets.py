@@ -2,11 +2,11 @@
 lists are sorted and unique and end at the configured maximum, and padding
 stays within the policy's own `max_padding` bound.
 
-Legal batches for a scheduler config: T <= max_num_batched_tokens tokens over
-R <= min(max_num_seqs, T) requests. A static-shape backend may cap requests
-below max_num_seqs (the runner then splits a step into row windows), so for
-it the legal R stop at its largest request bucket; a non-static backend may
-leave a batch above its largest bucket unpadded (pad returns it unchanged).
+Legal batches for a scheduler config (after the plugins' `polyrunner_adjust_config`,
+where a static-shape backend caps max_num_seqs at its largest request bucket):
+T <= max_num_batched_tokens tokens over R <= min(max_num_seqs, T) requests. A
+non-static backend may leave a batch above its largest bucket unpadded (pad
+returns it unchanged).
 """
 
 from __future__ import annotations
@@ -78,11 +78,7 @@ def check_end_at_configured_maximum(ctx) -> str:
 
 
 def _pad_all(ctx, label, mns, mnbt, p, visit) -> int:
-    static = ctx.capabilities.static_shapes
-    max_r = mns
-    if static and p.request_buckets:
-        max_r = min(mns, p.request_buckets[-1])   # the runner splits larger steps into windows
-    pairs = legal_pairs(mnbt, max_r, np.random.default_rng(ctx.settings.seed))
+    pairs = legal_pairs(mnbt, mns, np.random.default_rng(ctx.settings.seed))
     for T, R in pairs:
         try:
             got = p.pad(T, R)

@@ -94,9 +94,6 @@ def check_prepared_equals_eager(ctx) -> str:
     s = engine.config.scheduler
     rng = np.random.default_rng(ctx.settings.seed + 3)
     mnbt, mns = s.max_num_batched_tokens, s.max_num_seqs
-    if ctx.capabilities.static_shapes:  # larger steps are split into windows by the runner
-        mnbt = min(mnbt, policy.token_buckets[-1]) if policy.token_buckets else mnbt
-        mns = min(mns, policy.request_buckets[-1]) if policy.request_buckets else mns
     samples = bucket_samples(policy, mnbt, mns, ctx.settings.max_bucket_pairs, rng)
     expect(samples, "no bucket admits a legal batch")
     top_t = policy.token_buckets[-1] if policy.token_buckets else s.max_num_batched_tokens
