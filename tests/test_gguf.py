@@ -308,6 +308,7 @@ def test_smollm2_weights_and_config_equal_transformers(smol):
                 "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
                 "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_parameters"):
         assert getattr(mine_cfg, key) == getattr(ref_cfg, key), key
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"  # Q4_1 weights
 
 
 def test_smollm2_tokenizer_equals_transformers(smol):
@@ -366,6 +367,24 @@ def test_every_quant_type_dequantizes_to_the_reference(tiny_llama):
             assert (np.abs(got - want).reshape(bound.shape[0], -1, 32) <= bound).all(), qtype.name
         else:  # transformers' independent dequantizer on the same bytes
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=qtype.name)
+
+
+_MATRICES = [f"blk.{i}.{t}.weight" for i in range(2)
+             for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+
+
+@pytest.mark.parametrize("types,want", [
+    ({"token_embd.weight": Q.F32, "output.weight": Q.F32}, "float32"),  # layer matrices default to F32
+    ({n: Q.F16 for n in _MATRICES + ["token_embd.weight", "output.weight"]}, "float16"),
+    ({"token_embd.weight": Q.F16, "output.weight": Q.BF16}, "bfloat16"),
+    ({}, "bfloat16"),  # Q8_0 embeddings and a Q6_K head: quantized
+])
+def test_config_torch_dtype_is_the_precision_of_the_weights(tmp_path, types, want):
+    """dtype="auto" runs config.json's torch_dtype: float32 only for an all-F32 file,
+    float16 for F16 weights, bfloat16 for BF16 and quantized ones (1-D norms do not count)."""
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tokenizer=None, types=types)
+    assert gguf_loader._GGUFFile.open(path).model_plan()[0]["torch_dtype"] == want
 
 
 def test_tiny_llama_equals_transformers(tiny_llama):

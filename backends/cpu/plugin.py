@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 
 import torch
 
@@ -14,6 +16,40 @@ from polyrunner.backends.cpu.executor import CPUExecutor
 
 
 DEFAULT_KV_CAP = 4 << 30
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> tuple[bool, str]:
+    """Whether this CPU computes bfloat16 natively, and the evidence. On x86 that
+    takes AVX512_BF16 or AMX (AMX-BF16): without them (AVX2-only, or AVX-512
+    without BF16) oneDNN and torch emulate bfloat16 with conversions, slower than
+    float32. Elsewhere (Arm) oneDNN's own bfloat16 check decides."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686", "x86"):
+        try:
+            amx, avx512_bf16 = torch.cpu._is_amx_tile_supported(), torch.cpu._is_avx512_bf16_supported()
+        except (AttributeError, RuntimeError):  # older torch: read the kernel's flags
+            flags = _proc_cpu_flags()
+            amx, avx512_bf16 = "amx_bf16" in flags, "avx512_bf16" in flags
+        if amx or avx512_bf16:
+            return True, f"this CPU has {'AMX' if amx else 'AVX512_BF16'}"
+        return False, "this CPU has neither AVX512_BF16 nor AMX"
+    try:
+        ok = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        ok = False
+    return ok, f"oneDNN {'supports' if ok else 'lacks'} bfloat16 on this {machine} CPU"
+
+
+def _proc_cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 class CPUBackend(Backend):
@@ -32,6 +68,16 @@ class CPUBackend(Backend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """bfloat16 where the CPU has it (see `native_bf16`), and float32. float16
+        is never native here: the fast paths (packed weights, fused kernels,
+        paged attention) are bfloat16/float32 only."""
+        return (torch.bfloat16, torch.float32) if native_bf16()[0] else (torch.float32,)
+
+    def resolve_dtype(self, model_dtype):
+        dtype, why = super().resolve_dtype(model_dtype)
+        return dtype, f"{why}; {native_bf16()[1]}"
 
     def memory_info(self) -> tuple[int, int]:
         page = os.sysconf("SC_PAGE_SIZE")

@@ -49,6 +49,14 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
+def cuda_native_bf16() -> bool:
+    """bfloat16 in hardware (compute capability 8.0+), not emulated."""
+    try:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    except TypeError:  # torch < 2.3: no emulation to exclude
+        return torch.cuda.is_bf16_supported()
+
+
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda."""
 
@@ -81,7 +89,11 @@ class CUDABackend(Backend):
 
     @property
     def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cuda_native_bf16() else torch.float16
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """float16 and float32 everywhere; bfloat16 from Ampere (sm_80) on."""
+        return ((torch.bfloat16,) if cuda_native_bf16() else ()) + (torch.float16, torch.float32)
 
     # ---- padding, KV, attention, graphs ------------------------------------
     def bucket_policy(self, config) -> BucketPolicy:

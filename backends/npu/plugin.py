@@ -140,6 +140,11 @@ class NPUBackend(Backend):
         name = torch.npu.get_device_name(self._device.index or 0)
         return torch.float16 if "310P" in name else torch.bfloat16  # 310P has no bf16
 
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """float16 and float32 everywhere; bfloat16 except on the 310P."""
+        bf16 = (torch.bfloat16,) if self.default_dtype == torch.bfloat16 else ()
+        return bf16 + (torch.float16, torch.float32)
+
     # ---- padding, KV, attention, graphs ------------------------------------
     def bucket_policy(self, config) -> BucketPolicy:
         return graph_bucket_policy(config)

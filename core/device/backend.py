@@ -6,6 +6,7 @@ torch device (eager execution, no padding, reference attention, blocking
 transfers), so a plugin overrides only what its device does differently:
 
 - identity: `name`, `priority`, `probe()`, `device`, `default_dtype`, `capabilities`;
+- dtype="auto": `native_dtypes()`, `resolve_dtype(model_dtype)`;
 - padding: `bucket_policy(config)`;
 - KV cache: `kv_cache_budget(...)`, `kv_alignment_bytes`, `allocate_kv_cache(spec, n)`;
 - attention: `attention(q, k, v, kv_cache, meta, spec)` over `AttentionMetadata`;
@@ -167,6 +168,27 @@ class Backend:
         if dtype not in self.capabilities.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.capabilities.dtypes)
             raise ValueError(f"dtype {dtype} is not supported by backend {self.name!r}; allowed: {names}")
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """OPTIONAL. The dtypes this device computes at full speed (not emulated);
+        read by `resolve_dtype`. Default: `default_dtype` and float32."""
+        return tuple(dict.fromkeys((self.default_dtype, torch.float32)))
+
+    def resolve_dtype(self, model_dtype: torch.dtype | None) -> tuple[torch.dtype, str]:
+        """OPTIONAL. The dtype `dtype="auto"` runs, and why (the engine logs it).
+        Called once by the engine, before the model is loaded, only for "auto";
+        `model_dtype` is the checkpoint's config.json `torch_dtype` (None if it
+        names none). Default: the model's dtype where it is in `native_dtypes()`,
+        else float32; `default_dtype` for a model that names no dtype."""
+        def name(d: torch.dtype) -> str:
+            return str(d).removeprefix("torch.")
+        if model_dtype is None:
+            return self.default_dtype, f"config.json names no torch_dtype: backend {self.name!r}'s default"
+        native = self.native_dtypes()
+        if model_dtype in native:
+            return model_dtype, f"the model's torch_dtype, native on backend {self.name!r}"
+        return torch.float32, (f"the model's torch_dtype {name(model_dtype)} is not native on backend "
+                               f"{self.name!r} (native: {', '.join(map(name, native))})")
 
     # ---- padding --------------------------------------------------------
     def bucket_policy(self, config: "EngineConfig") -> BucketPolicy:

@@ -13,7 +13,7 @@ from polyrunner.config import EngineConfig
 from polyrunner.engine.kv_manager import KVCacheManager, cdiv
 from polyrunner.models.source import resolve_model_folder
 from polyrunner.models.arch import DecoderArch
-from polyrunner.models.loader import load_model, read_hf_config
+from polyrunner.models.loader import checkpoint_dtype, load_model, read_hf_config
 from polyrunner.models.registry import resolve_model_class
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.outputs import RequestOutput
@@ -40,8 +40,11 @@ class LLMEngine:
         self.arch = DecoderArch.from_hf_config(hf_config)
         model_cls = resolve_model_class(self.arch.architecture)
         self.max_model_len = self._max_model_len()
-        self.dtype = (self.backend.default_dtype if config.model.dtype == "auto"
-                      else _DTYPES[config.model.dtype])
+        if config.model.dtype == "auto":
+            self.dtype, why = self.backend.resolve_dtype(checkpoint_dtype(hf_config))
+            logger.info("dtype auto -> %s: %s", str(self.dtype).removeprefix("torch."), why)
+        else:
+            self.dtype = _DTYPES[config.model.dtype]
         self.backend.check_dtype(self.dtype)
         self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
         model = load_model(self.model_folder, model_cls, self.arch, self.backend.attention,

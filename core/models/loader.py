@@ -22,6 +22,18 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     return json.loads(cfg.read_text())
 
 
+_CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def checkpoint_dtype(hf_config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype config.json declares for the weights ("torch_dtype", or "dtype" as
+    newer transformers write it); None when absent or not a float dtype we run."""
+    name = hf_config.get("torch_dtype") or hf_config.get("dtype")
+    if isinstance(name, str):
+        return _CHECKPOINT_DTYPES.get(name.removeprefix("torch."))
+    return None
+
+
 def safetensors_files(folder: str | Path) -> list[Path]:
     """The checkpoint's shard files (sharded index or single file); no pickle files."""
     folder = Path(folder)

@@ -4,7 +4,9 @@ A GGUF file (llama.cpp's format) holds a model's weights, often quantized, and
 its config and tokenizer as metadata under llama.cpp's key names. The model
 loader only reads Hugging Face folders, so a GGUF is converted once into one:
 
-    config.json              LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+    config.json              LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM; its
+                             torch_dtype is the precision the file's weights carry
+                             (`weights_dtype`), which `dtype="auto"` runs in
     model.safetensors        float32, Hugging Face tensor names, written tensor by tensor
     tokenizer.json           built with `tokenizers` from the vocabulary in the metadata
     tokenizer_config.json    special tokens, add_bos_token, chat template
@@ -58,7 +60,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 # Bump when the output of a conversion changes, so old cache entries are not reused.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 MARKER_FILE = "polyrunner_gguf.json"
 
 _GLOBAL_TENSORS = {
@@ -288,7 +290,7 @@ class _GGUFFile:
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.get("tokenizer.ggml.eos_token_id"),
             "pad_token_id": self.get("tokenizer.ggml.padding_token_id"),
-            "torch_dtype": "float32",
+            "torch_dtype": self.weights_dtype(),
         }
         if arch == "llama":
             config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
@@ -308,6 +310,20 @@ class _GGUFFile:
 
         plan = self._tensor_plan(arch, heads, kv_heads, head_dim, layers)
         return config, plan
+
+    def weights_dtype(self) -> str:
+        """The precision the file's weight matrices carry, as a config.json
+        `torch_dtype`: "float32" when every matrix is F32, "float16" when they are
+        F16 (or F32), else "bfloat16": a BF16 file, or a quantized one, whose
+        values (at most 8 bits times a float16 scale) bfloat16 holds within the
+        quantization error. One-dimensional tensors (norms, biases) do not count."""
+        kinds = {t.tensor_type.name for t in self.reader.tensors
+                 if t.name not in _IGNORED_TENSORS and len(t.shape) > 1}
+        if kinds <= {"F32"}:
+            return "float32"
+        if kinds <= {"F32", "F16"}:
+            return "float16"
+        return "bfloat16"
 
     def _check_quant_types(self) -> None:
         bad = {}
