@@ -114,11 +114,17 @@ def test_logprobs_match_transformers(tiny_model_factory, kind, variant):
         assert llm.engine.scheduler.num_preemptions > 0
     for out, sp in zip(outs, params):
         _check_output(hf, out, sp)
-    # again on the same engine (prefix cache warm): prompt logprobs still cover every position
+    # again on the same engine (prefix cache warm): prompt logprobs still cover every position.
+    # Unchunked, the second run repeats the first one's computation exactly; chunked or
+    # preempted, its steps split the prompts differently (other matmul shapes, other
+    # summation orders), so its logprobs match the oracle (and the first run) within TOL
     again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for a, b in zip(outs, again):
+    for a, b, sp in zip(outs, again, params):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.prompt_logprobs == b.prompt_logprobs and a.outputs[0].logprobs == b.outputs[0].logprobs
+        if variant == "default":
+            assert a.prompt_logprobs == b.prompt_logprobs and a.outputs[0].logprobs == b.outputs[0].logprobs
+        else:
+            _check_output(hf, b, sp)
     pool = llm.engine.kv.pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
