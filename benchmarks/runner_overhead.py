@@ -1,7 +1,7 @@
 """Per-step host overhead of the runner, isolated with a no-op model.
 
 The model returns zero hidden states and fixed logits, so a step's time is the
-host path: scheduling, persistent-batch update, input preparation, sampling
+host path: scheduling, slot-state update, input preparation, sampling
 bookkeeping and output processing. Reported in microseconds per step at 1, 32
 and 256 running decode requests. The measurement lives in
 `polyrunner.tools.bench.overhead` (also `polyrunner bench --workload overhead`).

@@ -439,7 +439,7 @@ def test_params_stay_with_their_slot_in_any_batch_order():
     assert sorted(zip(m.bad_words_rows.tolist(), m.bad_words_ids.tolist())) == [(0, 7)]
     assert m.top_k.tolist() == [8, 3, 8] and m.num_logprobs.tolist() == [2, -1, -1]
     assert m.is_greedy.tolist() == [False, False, True] and list(m.generators) == [0]
-    s.remove_row(3)
+    s.clear_row(3)
     assert s.generators == {} and s.params[3] is None and not s.has_allowed[3]
     m = b.meta(idx_mapping=[0, 1])
     assert m.allowed_token_ids_mask is None and m.penalty_rows is None and m.min_tokens_rows is None
@@ -447,7 +447,7 @@ def test_params_stay_with_their_slot_in_any_batch_order():
     # a new request reusing a slot that held an allowed mask starts clean
     s.add_row(3, SamplingParams(allowed_token_ids=[5]), None)
     s.add_row(2, SamplingParams(allowed_token_ids=[6]), None)
-    s.remove_row(3)
+    s.clear_row(3)
     s.add_row(3, SamplingParams(), None)
     m = b.meta()
     assert m.allowed_token_ids_mask[3].sum() == 0 and m.allowed_token_ids_mask[2].sum() == 7

@@ -131,16 +131,20 @@ class Scheduler:
         out = SchedulerOutput()
         self._num_finished_at_schedule = self._num_finished
         budget = self.config.max_num_batched_tokens
-        rows, slots, counts, computed = self._schedule_running(out, budget)
-        admitted = self._admit(out, budget - int(counts.sum()))
-        if admitted:
+        rows, slots, counts, computed, total = self._schedule_running(out, budget)
+        admitted = self._admit(out, budget - total)
+        if not admitted:
+            if not rows:
+                return out
+            if total == len(rows):   # all decodes: already decode-first
+                out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
+                return out
+        else:
             new_slots = np.array([r.slot for r, _ in admitted], np.int64)
             rows = rows + [r for r, _ in admitted]
             slots = np.concatenate([slots, new_slots])
             counts = np.concatenate([counts, np.array([n for _, n in admitted], np.int64)])
             computed = np.concatenate([computed, self.slots.num_computed[new_slots]])
-        if not rows:
-            return out
         if (counts > 1).any():   # decodes first (stable)
             order = np.argsort(counts > 1, kind="stable")
             rows = [rows[i] for i in order.tolist()]
@@ -148,9 +152,9 @@ class Scheduler:
         out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
         return out
 
-    def _plan(self, slots: np.ndarray, nc: np.ndarray, budget: int) -> np.ndarray:
-        """Tokens for each running request (in order) under the budget."""
-        want = self.slots.num_tokens[slots] - nc
+    def _plan(self, want: np.ndarray, budget: int) -> np.ndarray:
+        """Tokens for each running request (in order) under the budget, from the
+        tokens each still has to compute."""
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             want = np.minimum(want, threshold)
@@ -169,23 +173,33 @@ class Scheduler:
         return take
 
     def _schedule_running(self, out: SchedulerOutput, budget: int
-                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray]:
+                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, int]:
         """Plan the running requests, preempting the newest while the blocks the plan
         needs exceed the free ones; allocate. Returns the scheduled rows, their
-        slots, token counts and computed tokens."""
+        slots, token counts, computed tokens, and the total token count."""
         bs = self.kv.block_size
+        a = self.slots
         while self.running:
             slots = self._slots_of_running()
-            nc = self.slots.num_computed[slots]
-            take = self._plan(slots, nc, budget)
+            nc = a.num_computed[slots]
+            want = a.num_tokens[slots] - nc
+            total = int(want.sum())
             # a running request holds exactly cdiv(num_computed, block_size) blocks
-            need = (nc + take - 1) // bs - (nc - 1) // bs
-            grow = np.flatnonzero(need)
-            if not grow.size or int(need[grow].sum()) <= self.kv.pool.num_free_blocks:
+            if total == len(slots) and total <= budget:   # all decodes: one token each
+                take, need = want, None
+                grow = np.flatnonzero(nc % bs == 0)       # ... whose position starts a block
+                num_needed = len(grow)
+            else:
+                take = self._plan(want, budget)
+                total = int(take.sum())
+                need = (nc + take - 1) // bs - (nc - 1) // bs
+                grow = np.flatnonzero(need)
+                num_needed = int(need[grow].sum())
+            if num_needed <= self.kv.pool.num_free_blocks:
                 break
             self._preempt(self.running.pop(), out)
         else:
-            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS
+            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0
         running = self.running
         for i in grow.tolist():
             req = running[i]
@@ -193,10 +207,10 @@ class Scheduler:
         if self.kv.enable_prefix_caching:
             for i in np.flatnonzero((nc + take) // bs > nc // bs).tolist():
                 self.kv.mark_computing(running[i], int(take[i]))
-        if take.all():
-            return list(running), slots, take, nc
+        if need is None or take.all():
+            return list(running), slots, take, nc, total
         keep = np.flatnonzero(take)
-        return [running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep]
+        return [running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep], total
 
     def _admit(self, out: SchedulerOutput, budget: int) -> list[tuple[Request, int]]:
         """Admit waiting requests while budget, max_num_seqs and blocks allow;
@@ -266,7 +280,8 @@ class Scheduler:
         a = self.slots
         reqs, slots = out.requests, out.slots
         nc = out.num_computed + out.num_scheduled
-        done = nc >= a.num_tokens[slots]
+        nt = a.num_tokens[slots]
+        done = nc >= nt
         if self._num_finished != self._num_finished_at_schedule:   # aborted while the step ran
             live = np.fromiter((not r.finished for r in reqs), bool, len(reqs))
             done &= live
@@ -274,21 +289,21 @@ class Scheduler:
         else:
             a.num_computed[slots] = nc
         if done.all():
-            advanced, adv_slots, adv_tokens = list(reqs), slots, tokens[:len(reqs)]
+            advanced, adv_slots, adv_tokens, adv_nt = list(reqs), slots, tokens[:len(reqs)], nt + 1
         else:
             rows = np.flatnonzero(done)
             advanced = [reqs[i] for i in rows.tolist()]
-            adv_slots, adv_tokens = slots[rows], tokens[rows]
+            adv_slots, adv_tokens, adv_nt = slots[rows], tokens[rows], nt[rows] + 1
         for req, tok in zip(advanced, adv_tokens.tolist()):
             req.output_token_ids.append(tok)
-        a.num_tokens[adv_slots] += 1
+        a.num_tokens[adv_slots] = adv_nt
         if self.kv.enable_prefix_caching:
             bs = self.kv.block_size
             for i in np.flatnonzero(nc // bs > out.num_computed // bs).tolist():
                 if not reqs[i].finished:
                     self.kv.cache_computed(reqs[i])
         finished = []
-        for i in a.may_stop(adv_slots, adv_tokens).tolist():
+        for i in a.may_stop(adv_slots, adv_tokens, adv_nt).tolist():
             req = advanced[i]
             self.check_stop(req)
             if req.finished:

@@ -68,10 +68,10 @@ class SlotArrays:
         if len(self._free) == self.num_slots:
             self.stop_table = np.zeros(1, bool)   # nobody left: forget old stop ids
 
-    def may_stop(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Indices into `slots` whose newest token (`tokens`, already counted) might
-        end the request: its length limit, or a stop/EOS id of some request."""
-        out = self.num_tokens[slots] >= self.length_limit[slots]
+    def may_stop(self, slots: np.ndarray, tokens: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """Indices into `slots` whose newest token (`tokens`; `num_tokens` counts it)
+        might end the request: its length limit, or a stop/EOS id of some request."""
+        out = num_tokens >= self.length_limit[slots]
         table = self.stop_table
         if len(table) > 1:
             out |= table[np.minimum(tokens, len(table) - 1)]

@@ -66,6 +66,6 @@ class RequestStates:
         if self.req_ids[slot] is None:
             return
         self.req_ids[slot] = None
-        self.sampling.remove_row(slot)
+        self.sampling.clear_row(slot)
         self.block_table.reset_row(slot)
         self.prompt_logprobs_done.pop(slot, None)

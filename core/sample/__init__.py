@@ -1,8 +1,9 @@
 """Device-neutral sampling: persistent per-row state, per-step metadata, the sampler.
 
-The InputBatch mirrors its row changes into a `SamplingState`; each step
-`SamplingState.make_metadata(...)` gives a `SamplingMetadata` and
-`Sampler()(logits, metadata)` gives a `SamplerOutput`.
+A `SamplingState` holds one row per request slot; each step
+`SamplingState.make_metadata(idx_mapping, ...)` gathers the step's rows into a
+`SamplingMetadata`, and `Sampler()(logits, metadata)` gives a `SamplerOutput`
+(a static-shape backend may sample with its own function instead).
 """
 
 from polyrunner.sample.logprobs import (

@@ -1,6 +1,6 @@
 """Per-request sampling state, one row per request slot.
 
-A request's row is its slot (`add_row` when it enters, `remove_row` when it
+A request's row is its slot (`add_row` when it enters, `clear_row` when it
 finishes); rows never move. Per-row scalars live in numpy arrays on the host;
 each step `make_metadata(idx_mapping, ...)` gathers the step's rows (batch row
 i is slot `idx_mapping[i]`) and uploads only what that step needs:
@@ -152,7 +152,7 @@ class SamplingState:
             self.generators[row] = generator
         self._version += 1
 
-    def remove_row(self, row: int) -> None:
+    def clear_row(self, row: int) -> None:
         self._check_row(row)
         self._reset(row)
         self._version += 1
