@@ -124,11 +124,76 @@ def test_packed_linear_matches_linear():
         torch.testing.assert_close(packed(x), lin(x), atol=1e-2, rtol=1e-2)
 
 
+class _Declared(torch.nn.Module):
+    """Declares `a` and `b` as replaceable linears; `head` is not declared."""
+
+    def __init__(self, hook: bool = True) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        if not hook:
+            self.replaceable_modules = None
+
+    def replaceable_modules(self):
+        yield "linear", self, "a", self.a
+        yield "linear", self, "b", self.b
+        yield "some_future_role", self, "head", self.head  # unknown roles are skipped
+
+
 @needs_packing
-def test_pack_linears_replaces_only_bfloat16_linears():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8))
+def test_pack_linears_replaces_only_declared_bfloat16_linears():
+    model = _Declared()
     assert pack_linears(model, 16) == 1
-    assert isinstance(model[0], PackedLinear) and type(model[1]) is torch.nn.Linear
+    assert isinstance(model.a, PackedLinear) and type(model.b) is torch.nn.Linear
+    assert type(model.head) is torch.nn.Linear  # bfloat16, but not declared a "linear"
+
+
+@needs_packing
+def test_a_model_without_the_hook_is_left_alone():
+    from polyrunner.backends.cpu.executor import fuse_elementwise
+    model = _Declared(hook=False)
+    assert pack_linears(model, 16) == 0 and fuse_elementwise(model) == 0
+    assert all(type(m) is torch.nn.Linear for m in (model.a, model.b, model.head))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
+    """The model protocol's hook names every projection but the LM head, every
+    norm, every MLP and the shared rotary module, each under its role."""
+    from polyrunner.models.llama import DecoderMLP, RMSNorm
+    from polyrunner.models.rotary import RotaryEmbedding
+    folder, _ = tiny_model_factory(kind)
+    model, arch = _tiny_model(folder, reference_paged_attention, torch.float32)
+    parts = list(model.replaceable_modules())
+    for role, parent, name, module in parts:
+        assert getattr(parent, name) is module
+    by_role = {role: [m for r, _, _, m in parts if r == role] for role in {r for r, *_ in parts}}
+    assert set(by_role) == {"linear", "rms_norm", "gated_mlp", "rotary"}
+    linears = [m for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+    assert {id(m) for m in by_role["linear"]} == {id(m) for m in linears} and len(by_role["linear"]) == len(linears)
+    assert all(m is not model.lm_head for m in by_role["linear"])
+    for role, cls in (("rms_norm", RMSNorm), ("gated_mlp", DecoderMLP), ("rotary", RotaryEmbedding)):
+        want = {id(m) for m in model.modules() if type(m) is cls}
+        assert {id(m) for m in by_role[role]} == want, role
+    assert len(by_role["rotary"]) == 1 + arch.num_layers  # the model's and each attention's reference
+
+
+@needs_kernel
+@needs_packing
+def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory):
+    from types import SimpleNamespace
+    from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP, FusedRMSNorm, FusedRotary
+    folder, _ = tiny_model_factory("qwen3")
+    model, arch = _tiny_model(folder, cpu_paged_attention, torch.bfloat16)
+    CPUExecutor(model, SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8)))
+    want = {"linear": PackedLinear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
+    for role, parent, name, module in model.replaceable_modules():
+        assert type(module) is want[role], (role, name)
+    assert type(model.embed_tokens) is torch.nn.Embedding
+    rotaries = {id(layer.self_attn.rotary) for layer in model.layers} | {id(model.rotary)}
+    assert len(rotaries) == 1  # still one shared module
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
 
 
 def test_thread_governor_stays_in_range():

@@ -1,8 +1,11 @@
 """CPU graph executor: packed weights, fused elementwise ops, thread count.
 
-- Weights: every bfloat16 `nn.Linear` (but `lm_head`) is replaced by a
-  oneDNN-packed one (`torch.ops.mkldnn._linear_pointwise`), and the LM head
-  gets a packed copy for sampling: the same math, ~20% faster matmuls than the
+- Which modules are swapped: the model names them, by role, through its
+  `replaceable_modules()` hook (the model protocol in `polyrunner_models`):
+  "linear", "rms_norm", "gated_mlp", "rotary". A model without it runs as is.
+- Weights: every bfloat16 "linear" is replaced by a oneDNN-packed one
+  (`torch.ops.mkldnn._linear_pointwise`), and the LM head gets a packed copy
+  for the logits: the same math, ~20% faster matmuls than the
   plain `F.linear` path (what inductor's freezing pass does, done eagerly).
   Steps of at most `kernels.AMX_MAX_M` rows (decodes) use an AMX tile-packed
   copy instead (`linear_amx.cpp`, weights streamed once; measured ~15% faster than
@@ -119,12 +122,20 @@ def packing_supported(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, batch_hint: int, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Replace every bfloat16 nn.Linear of `model` by a PackedLinear; returns how
-    many. Modules named in `skip` stay (`compute_logits` reads `lm_head.weight`)."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and name not in skip]
+def replaceable(model: nn.Module, role: str) -> list[tuple[nn.Module, str, nn.Module]]:
+    """`(parent, attribute, module)` of the model's parts in `role`, from its optional
+    `replaceable_modules()` hook (see `polyrunner_models`); none without the hook."""
+    hook = getattr(model, "replaceable_modules", None)
+    if hook is None:
+        return []
+    return [(parent, name, module) for r, parent, name, module in hook() if r == role]
+
+
+def pack_linears(model: nn.Module, batch_hint: int) -> int:
+    """Replace every bfloat16 "linear" the model declares (an `nn.Linear`) by a
+    PackedLinear; returns how many."""
+    targets = [(parent, name, child) for parent, name, child in replaceable(model, "linear")
+               if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
     return len(targets)
@@ -201,21 +212,16 @@ class FusedRotary(nn.Module):
 
 
 def fuse_elementwise(model: nn.Module) -> int:
-    """Swap Llama-family RMSNorm, gated-MLP and rotary modules (recognised by
-    their attributes) for the fused C++ ones; returns how many. bfloat16 only."""
+    """Swap the model's "rms_norm" (bfloat16 weight), "gated_mlp" and "rotary"
+    modules for the fused C++ ones; returns how many. bfloat16 only."""
     if kernels.paged_attention_kernel() is None:
         return 0
-    swaps, rotaries = [], {}
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            cls = type(child).__name__
-            if (cls == "RMSNorm" and getattr(child, "weight", None) is not None
-                    and child.weight.dtype == torch.bfloat16 and hasattr(child, "eps")):
-                swaps.append((parent, name, FusedRMSNorm(child)))
-            elif cls == "DecoderMLP" and all(hasattr(child, a) for a in ("gate_up_proj", "down_proj", "intermediate")):
-                swaps.append((parent, name, FusedMLP(child)))
-            elif cls == "RotaryEmbedding" and isinstance(getattr(child, "cos", None), torch.Tensor):
-                swaps.append((parent, name, rotaries.setdefault(id(child), FusedRotary(child))))
+    swaps = [(parent, name, FusedRMSNorm(norm)) for parent, name, norm in replaceable(model, "rms_norm")
+             if norm.weight.dtype == torch.bfloat16]
+    swaps += [(parent, name, FusedMLP(mlp)) for parent, name, mlp in replaceable(model, "gated_mlp")]
+    rotaries: dict[int, FusedRotary] = {}  # one shared module stays one
+    swaps += [(parent, name, rotaries.setdefault(id(rotary), FusedRotary(rotary)))
+              for parent, name, rotary in replaceable(model, "rotary")]
     for parent, name, new in swaps:
         setattr(parent, name, new)
     return len(swaps)

@@ -9,7 +9,7 @@ them without rewriting the model.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +136,30 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits `[N, vocab]` for the given hidden rows."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def replaceable_modules(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+        """`(role, parent, attribute, module)` for every part a backend may swap for
+        a faster equivalent (`setattr(parent, attribute, new)`); the roles and
+        what a replacement must keep are in `polyrunner_models`
+        (core/plugins/hookspecs.py). Attributes are read as the iteration goes,
+        so a later pass sees an earlier pass's replacements. The LM head (read by
+        `compute_logits`) is not a "linear"; the shared rotary module comes once
+        per parent (this model and each attention)."""
+        yield "rotary", self, "rotary", self.rotary
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            yield "rms_norm", layer, "input_layernorm", layer.input_layernorm
+            yield "linear", attn, "qkv_proj", attn.qkv_proj
+            for name in ("q_norm", "k_norm"):
+                if getattr(attn, name) is not None:
+                    yield "rms_norm", attn, name, getattr(attn, name)
+            yield "rotary", attn, "rotary", attn.rotary
+            yield "linear", attn, "o_proj", attn.o_proj
+            yield "rms_norm", layer, "post_attention_layernorm", layer.post_attention_layernorm
+            yield "linear", mlp, "gate_up_proj", mlp.gate_up_proj
+            yield "linear", mlp, "down_proj", mlp.down_proj
+            yield "gated_mlp", layer, "mlp", mlp
+        yield "rms_norm", self, "norm", self.norm
 
     # ---- weights ---------------------------------------------------------
     _STACKED = {  # HF name part -> (fused param part, shard index)
