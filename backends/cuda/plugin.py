@@ -27,12 +27,22 @@ import os
 import numpy as np
 import torch
 
-from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.attention.batched import sdpa_paged_attention
-from polyrunner.device.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
-                                             graph_bucket_policy, pinned_upload, profiled_kv_budget)
-from polyrunner.device.buckets import BucketPolicy
-from polyrunner.plugins import hookimpl
+from polyrunner.plugin_api import (
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    GraphExecutor,
+    HostFuture,
+    StaticGraphExecutor,
+    TorchGraphAPI,
+    async_to_host,
+    graph_bucket_policy,
+    hookimpl,
+    pinned_upload,
+    profiled_kv_budget,
+    sdpa_paged_attention,
+)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -62,10 +72,7 @@ class CUDABackend(Backend):
 
     name = "cuda"
     priority = 100
-    capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
-                                async_output=True)
-    kv_alignment_bytes = 1
-    communicator_backend = "nccl"
+    capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True)
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())

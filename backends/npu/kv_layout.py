@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.plugin_api import KVCacheSpec
 
 ALIGNMENT = 2 * 1024 * 1024
 

@@ -16,7 +16,7 @@ reason, never raised.
 - KV: one 2 MiB-aligned raw buffer per layer holding K then V, each half
   padded to 2 MiB (`kv_layout.py`). Caches stay in ND format: a private
   format (FRACTAL_NZ on 310P) could not share the logical 5-D view.
-- Output copies run on a separate stream behind an event; communicator HCCL.
+- Output copies run on a separate stream behind an event.
 """
 
 from __future__ import annotations
@@ -30,15 +30,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.device.backend import Availability, Backend, Capabilities, GraphExecutor, HostFuture
-from polyrunner.attention.batched import STATIC_DECODE, attend_cached, sdpa_paged_attention
-from polyrunner.device.graphs import (StaticGraphExecutor, TorchGraphAPI, async_to_host,
-                                             graph_bucket_policy, pinned_upload, profiled_kv_budget)
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
-from polyrunner.device.buckets import BucketPolicy
-from polyrunner.device.kv_spec import KVCacheSpec
-from polyrunner.plugins import hookimpl
+from polyrunner.plugin_api import (
+    STATIC_DECODE,
+    AttentionMetadata,
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    GraphExecutor,
+    HostFuture,
+    KVCacheSpec,
+    LayerSpec,
+    StaticGraphExecutor,
+    TorchGraphAPI,
+    async_to_host,
+    attend_cached,
+    graph_bucket_policy,
+    hookimpl,
+    pinned_upload,
+    profiled_kv_budget,
+    sdpa_paged_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +120,8 @@ class NPUBackend(Backend):
 
     name = "npu"
     priority = 90
-    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
-                                async_output=True)
+    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True)
     kv_alignment_bytes = ALIGNMENT
-    communicator_backend = "hccl"
 
     def __init__(self) -> None:
         module, reason = import_torch_npu()

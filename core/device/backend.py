@@ -1,21 +1,25 @@
 """The backend contract: what a device plugin supplies to the core.
 
 A backend is a `Backend` subclass contributed through the
-`polyrunner_backends` hook. The base class implements every method for a plain
-torch device (eager execution, no padding, reference attention, blocking
-transfers), so a plugin overrides only what its device does differently:
+`polyrunner_backends` hook. The base class implements every member for a plain
+torch device (eager, unpadded, reference attention, blocking transfers), so a
+plugin overrides only what its device does differently. Each member's
+docstring says whether it is REQUIRED or OPTIONAL, when the core calls it, and
+what it must keep true, like pytest's hookspecs. When the core calls what:
 
-- identity: `name`, `priority`, `probe()`, `device`, `default_dtype`, `capabilities`;
-- dtype="auto": `native_dtypes()`, `resolve_dtype(model_dtype)`;
-- padding: `bucket_policy(config)`;
-- KV cache: `kv_cache_budget(...)`, `kv_alignment_bytes`, `allocate_kv_cache(spec, n)`;
-- attention: `attention(q, k, v, kv_cache, meta, spec)` over `AttentionMetadata`;
-- graphs: `make_executor(model, config)` returning a `GraphExecutor`;
-- host<->device: `to_device`, `to_host_async`, `synchronize`, `make_generator`,
-  `memory_info`; tensor parallelism: `communicator_backend`.
-
-Probing must never raise and must not import the device library at module
-import time: a missing library is `Availability(False, "<reason>")`.
+- discovery (`polyrunner backends`, `LLM(backend=...)`): `name`, `priority`,
+  `probe()` — probing never raises and never imports the device library at
+  module import time: a missing library is `Availability(False, "<reason>")`;
+- engine start-up, in this order: `capabilities`, `resolve_dtype` (dtype
+  "auto" only) and `check_dtype`; `device` (the model is loaded there);
+  `bucket_policy`; `make_executor`; `kv_cache_budget` (runs one max-size
+  dummy step) and `num_kv_blocks`; `allocate_kv_cache`; `GraphExecutor.prepare`
+  (capture / compile / warm up every bucket);
+- each step: `host_attention_extras`, `to_device` (every input array),
+  `no_grad`, `GraphExecutor.run` (the model calls `attention` once per layer,
+  also inside graph capture), `GraphExecutor.compute_logits`,
+  `GraphExecutor.sample`, `to_host_async`; `make_generator` once per new
+  seeded request.
 """
 
 from __future__ import annotations
@@ -56,19 +60,24 @@ class Availability:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend declares about itself.
+    """What a backend declares about itself (OPTIONAL: the defaults describe an
+    eager device that runs every dtype and sampling feature). Read at start-up
+    and by the conformance suite, which excuses checks a capability rules out.
 
-    graph_mode: "eager", "torch_compile", "cuda_graph", "xla", "acl_graph".
-    static_shapes: every step must be padded to a bucket (tokens and requests).
+    graph_mode: "eager", "torch_compile", "cuda_graph", "xla", "acl_graph" (shown
+      by `polyrunner backends`).
+    static_shapes: every step must be padded to a bucket (tokens and requests);
+      `bucket_policy` must then cover every legal batch of the config (adjust
+      max_num_seqs with `polyrunner_adjust_config` if a kernel caps requests).
     counts_graphs: `GraphExecutor.num_graphs()` is meaningful (no-recompile checks).
-    sampling: sampling features supported on the device; requests that need
-      another one are rejected with a clear error.
+    dtypes: the dtypes `check_dtype` accepts.
+    sampling: sampling features the device supports; the engine rejects a request
+      that needs another one with an error naming it.
     """
 
     graph_mode: str = "eager"
     static_shapes: bool = False
     counts_graphs: bool = False
-    async_output: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     sampling: frozenset[str] = SAMPLING_FEATURES
 
@@ -85,25 +94,31 @@ class ModelInputs:
 
 
 class GraphExecutor:
-    """Runs the model on padded batches; the base class runs eagerly.
-
-    `prepare(run_dummy)` is called once after KV allocation: capture, compile or
-    warm up every bucket by calling `run_dummy(num_tokens, num_reqs)`, which
-    builds a dummy `ModelInputs` and calls `self.run` on it.
-    """
+    """Runs the model on padded batches; the base class runs eagerly. Made once
+    per engine by `Backend.make_executor`; a backend whose device captures or
+    compiles graphs subclasses it (see `polyrunner.device.graphs`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
     def prepare(self, run_dummy: Callable[[int, int], Any], buckets: BucketPolicy) -> None:
+        """OPTIONAL; once at start-up, after the KV cache is allocated. Capture,
+        compile or warm up every bucket by calling `run_dummy(num_tokens,
+        num_reqs)`, which pads a dummy batch to that bucket (its tokens write only
+        the null block) and calls `self.run` on it. After `prepare`, serving must
+        not compile or capture anything new (the conformance suite checks
+        `num_graphs`). A failed capture must fall back to eager with a warning."""
         return None
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Final hidden states `[T_pad, hidden]` of the padded batch."""
+        """OPTIONAL; each step, under `Backend.no_grad()`. The final hidden states
+        `[T_pad, hidden]` of the padded batch; they must equal eager execution of
+        the same batch (rows of padded tokens are ignored)."""
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
 
     def num_graphs(self) -> int | None:
-        """Graphs compiled or captured so far; None when the backend does not count."""
+        """OPTIONAL; read by checks and benchmarks. Graphs compiled or captured so
+        far; None when the backend does not count (`Capabilities.counts_graphs`)."""
         return None
 
     @staticmethod
@@ -142,29 +157,47 @@ class HostFuture:
 
 
 class Backend:
-    """Base backend: a plain torch device, eager, unpadded. Override per device."""
+    """Base backend: a plain torch device, eager, unpadded. Override per device.
+
+    REQUIRED: `name`, `probe`, `device`, `memory_info` (unless every config sets
+    kv_cache_memory_bytes). Everything else is OPTIONAL. One instance serves
+    one engine; it is constructed with no arguments after a successful probe.
+
+    name: REQUIRED, unique across plugins; what `backend=` selects.
+    priority: OPTIONAL; without `backend=`, the available backend with the
+      highest priority runs (cpu 0, xla 20, npu 30, cuda 40).
+    capabilities: OPTIONAL, see `Capabilities`.
+    kv_alignment_bytes: OPTIONAL; each layer's KV allocation is a multiple of
+      this (e.g. Ascend's 2 MiB); `num_kv_blocks` budgets with it.
+    """
 
     name: ClassVar[str] = "base"
     priority: ClassVar[int] = 0
     capabilities: ClassVar[Capabilities] = Capabilities()
     kv_alignment_bytes: ClassVar[int] = 1
-    communicator_backend: ClassVar[str] = "gloo"
 
     # ---- identity -------------------------------------------------------
     @classmethod
     def probe(cls) -> Availability:
-        """Is the device usable here? Never raises."""
+        """REQUIRED; at discovery and selection, on the class. Is the device usable
+        here? Never raises; imports the device library only here, and a missing
+        library or device is `Availability(False, reason)`."""
         return Availability(False, "abstract base backend")
 
     @property
     def device(self) -> torch.device:
+        """REQUIRED; at start-up and each step. The torch device the model, the KV
+        cache and every step's inputs live on."""
         raise NotImplementedError(f"backend {self.name!r} must define `device`")
 
     @property
     def default_dtype(self) -> torch.dtype:
+        """OPTIONAL; at start-up. The dtype for a model that names none."""
         return torch.float32
 
     def check_dtype(self, dtype: torch.dtype) -> None:
+        """OPTIONAL; at start-up. Raise ValueError naming the allowed dtypes when the
+        backend cannot run `dtype` (default: `capabilities.dtypes`)."""
         if dtype not in self.capabilities.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.capabilities.dtypes)
             raise ValueError(f"dtype {dtype} is not supported by backend {self.name!r}; allowed: {names}")
@@ -192,13 +225,18 @@ class Backend:
 
     # ---- padding --------------------------------------------------------
     def bucket_policy(self, config: "EngineConfig") -> BucketPolicy:
-        """Token and request buckets; the base backend pads nothing."""
+        """OPTIONAL; at start-up (and by `polyrunner_adjust_config` hooks). Token and
+        request buckets; every step is padded with `policy.pad(tokens, reqs)`.
+        Buckets are sorted; `pad` returns a covering bucket, monotonic in both
+        arguments. The base backend pads nothing."""
         return BucketPolicy()
 
     # ---- KV cache -------------------------------------------------------
     def kv_cache_budget(self, config: "EngineConfig", weights_bytes: int,
                         profile: Callable[[], None]) -> int:
-        """Bytes for the KV cache. `profile()` runs a max-size dummy step."""
+        """OPTIONAL; once at start-up. Bytes for the KV cache, given the weights'
+        bytes; `profile()` runs a max-size dummy step (call it exactly once, to fail
+        early and to measure the peak). `kv_cache_memory_bytes`, when set, wins."""
         if config.cache.kv_cache_memory_bytes is not None:
             profile()
             return config.cache.kv_cache_memory_bytes
@@ -207,62 +245,80 @@ class Backend:
         return max(0, int(free * config.cache.memory_utilization) - weights_bytes)
 
     def num_kv_blocks(self, spec: KVCacheSpec, budget_bytes: int) -> int:
-        """Blocks whose allocation (`allocate_kv_cache`) fits `budget_bytes`."""
+        """OPTIONAL; once at start-up. Blocks whose allocation (`allocate_kv_cache`)
+        fits `budget_bytes` (override with a layout that pads or splits blocks)."""
         return spec.num_blocks_for(budget_bytes, self.kv_alignment_bytes)
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
-        """One zeroed tensor per layer with logical shape `spec.layer_shape(num_blocks)`."""
+        """OPTIONAL; at start-up (twice: a 2-block cache for the profile step, then
+        the real one). One tensor per layer with the logical shape
+        `spec.layer_shape(num_blocks)` and `spec.dtype` on `device`; layers and K/V
+        do not alias; the null block (0) holds finite values. The physical layout
+        behind the logical view is the backend's (strides, splits, alignment)."""
         return [torch.zeros(spec.layer_shape(num_blocks), dtype=spec.dtype, device=self.device)
                 for _ in range(spec.num_layers)]
 
     # ---- attention ------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
-        """Write this step's k/v into the cache, then attend. Shapes as in
-        `reference_paged_attention`."""
+        """OPTIONAL; each layer of each step, also inside graph capture (so no host
+        synchronisation, no data-dependent shapes in a captured or compiled
+        backend). Write this step's k/v at `meta.slot_mapping` (padded tokens write
+        the null block only), then attend causally over each request's context.
+        Shapes as in `reference_paged_attention`; the result must match it."""
         return reference_paged_attention(q, k, v, kv_cache, meta, spec)
 
-    def build_attention_extras(self, meta: AttentionMetadata) -> None:
-        """Add backend-specific tensors to `meta.extras` (called once per step)."""
-        return None
-
     def host_attention_extras(self, step: "StepInputs") -> dict[str, np.ndarray]:
-        """Extra host arrays built from the padded step (numpy), moved with
-        `to_device` into `meta.extras` under the same keys before
-        `build_attention_extras`; e.g. per-token block tables, so that a compiled
-        graph depends on the token padding only."""
+        """OPTIONAL; each step, before the upload. Extra host arrays built from the
+        padded step (numpy), moved with `to_device` into `meta.extras` under the
+        same keys; e.g. per-token block tables, so that a compiled graph depends
+        on the token padding only."""
         return {}
 
     def no_grad(self):
-        """The grad-free context every forward runs under (inference_mode by
-        default; a device whose tracer cannot take inference tensors returns no_grad)."""
+        """OPTIONAL; each step and dummy run. The grad-free context every forward
+        runs under (inference_mode by default; a device whose tracer cannot take
+        inference tensors returns no_grad)."""
         return torch.inference_mode()
 
     # ---- graphs ---------------------------------------------------------
     def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
+        """OPTIONAL; once at start-up, after the model is loaded. The executor that
+        runs (and may rewrite, e.g. pack weights of) the model."""
         return GraphExecutor(model)
 
     # ---- host <-> device ------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """OPTIONAL; each step, once per input array. The array on `device`; the
+        host array may be reused after the call returns (copy or pin as needed)."""
         t = torch.from_numpy(array) if isinstance(array, np.ndarray) else array
         return t.to(self.device, non_blocking=True)
 
     def to_host_async(self, tensor: torch.Tensor) -> HostFuture:
+        """OPTIONAL; each step, for the sampled tokens. Start the copy to the host;
+        `result()` of the returned future waits for it."""
         return HostFuture(tensor.to("cpu"))
 
     def synchronize(self) -> None:
+        """OPTIONAL; by graph helpers and checks. Wait for all queued device work."""
         return None
 
     def make_generator(self, seed: int) -> torch.Generator:
+        """OPTIONAL; once per seeded request (and once for the engine's seed). A
+        generator on `device` seeded with `seed`; the same seed must give the same
+        stream on every run."""
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
         return g
 
     @property
     def memory_is_host(self) -> bool:
-        """The device computes in host memory (its `memory_info` is the host's)."""
+        """OPTIONAL. The device computes in host memory (its `memory_info` is the
+        host's); hygiene checks then measure the process's RSS."""
         return self.device.type == "cpu"
 
     def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of the memory the KV cache lives in."""
+        """REQUIRED unless kv_cache_memory_bytes is always set; at start-up (KV
+        budget) and by hygiene checks. (free, total) bytes of the memory the KV
+        cache lives in."""
         raise NotImplementedError(f"backend {self.name!r} must report memory_info")

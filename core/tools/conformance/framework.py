@@ -7,7 +7,7 @@ on any other exception. A check may be skipped ONLY through `requires`:
 capability requirements read from the backend's declared `Capabilities`, so
 the report can say which capability excused it. Requirements:
 
-    "counts_graphs", "static_shapes", "async_output"   a truthy capability flag
+    "counts_graphs", "static_shapes"                   a truthy capability flag
     "sampling:<feature>"                               feature in capabilities.sampling
     "dtype:<name>"                                     torch.<name> in capabilities.dtypes
 """
