@@ -18,6 +18,24 @@ from tiny_models import build_tiny_model  # noqa: E402
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]
 
 
+@pytest.fixture(params=["simd", "portable"])
+def cpu_kernels(request):
+    """Runs the test once per C++ kernel build the CPU backend may use:
+    "simd": the native build's AVX-512 BF16 paths (skipped where the CPU lacks
+    them: there the native build is the portable code); "portable": the plain
+    loops an AVX2-only CPU runs, built with -DPR_PORTABLE here. Yields the library."""
+    from polyrunner.backends.cpu import kernels
+    variant = "native" if request.param == "simd" else "portable"
+    lib = kernels.load_library(variant)
+    if lib is None:
+        pytest.skip("no C++ compiler: the CPU kernel library is not built")
+    if request.param == "simd" and not kernels.simd_bf16(lib):
+        pytest.skip("this CPU lacks AVX512F + AVX512_BF16: the native kernel build has no SIMD paths "
+                    "(its plain loops are the [portable] case)")
+    with kernels.use_kernels(variant) as active:
+        yield active
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     cache: dict = {}

@@ -1,5 +1,7 @@
-"""CPU fast paths: the C++ paged attention kernel and the SDPA prefill path
-against the reference attention, and compiled against eager execution."""
+"""CPU fast paths against the reference: the C++ paged attention kernel (each
+build: `cpu_kernels`) and the SDPA prefill path against the reference attention;
+packed linears; the whole model under every path combination the backend can
+take (AMX / oneDNN / unpacked linears, AVX-512 / portable / no C++ kernels)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,6 @@ from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.attention import cpu_paged_attention
-
-needs_kernel = pytest.mark.skipif(kernels.paged_attention_kernel() is None,
-                                  reason="no C++ compiler: the CPU kernel is not built")
 
 
 def _batch(rng, *, num_decodes, num_prefills, block_size, num_blocks, max_blocks, pad_tokens=0,
@@ -58,14 +57,16 @@ def _batch(rng, *, num_decodes, num_prefills, block_size, num_blocks, max_blocks
         query_start_loc_np=qsl, seq_lens_np=seq_lens)
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (6, 2, None), (8, 2, 7), (9, 3, 40)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_reference(dtype, heads, kv_heads, window, seed):
+# bfloat16 paths of the AVX-512 build: head 64/128 with blocks <= 16 (16 keys per pass), other
+# multiples of 32 or larger blocks (one key at a time), the rest (80) the plain loop
+@pytest.mark.parametrize("head,block_size", [(64, 16), (128, 16), (96, 16), (64, 32), (80, 16)])
+def test_kernel_matches_reference(cpu_kernels, dtype, heads, kv_heads, window, seed, head, block_size):
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
-    block_size, num_blocks, head = 16, 96, 64
+    num_blocks = 96
     meta = _batch(rng, num_decodes=int(rng.integers(0, 6)), num_prefills=int(rng.integers(1, 4)),
                   block_size=block_size, num_blocks=num_blocks, max_blocks=6, pad_tokens=3)
     T = meta.num_padded_tokens
@@ -87,8 +88,7 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, window, seed):
     assert torch.all(got[n:] == 0)
 
 
-@needs_kernel
-def test_kernel_decode_all_requests_with_padding():
+def test_kernel_decode_all_requests_with_padding(cpu_kernels):
     """The compiled path: one op call over padded requests (seq_len 0) and tokens."""
     rng = np.random.default_rng(3)
     meta = _batch(rng, num_decodes=5, num_prefills=0, block_size=16, num_blocks=64, max_blocks=4,
@@ -115,11 +115,16 @@ needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
 
 
 @needs_packing
-def test_packed_linear_matches_linear():
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_linear(monkeypatch, bias):
+    """oneDNN for every batch size: with a bias, or without AMX (forced off here)."""
+    monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
     torch.manual_seed(0)
-    lin = torch.nn.Linear(96, 160, bias=True).to(torch.bfloat16)
-    packed = PackedLinear(lin.weight, lin.bias, 64)
-    for shape in [(1, 96), (37, 96), (3, 5, 96)]:
+    lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    with kernels.use_kernels("native"):
+        packed = PackedLinear(lin.weight, lin.bias, 64)
+    assert packed.amx is None
+    for shape in [(1, 96), (37, 96), (64, 96), (130, 96), (3, 5, 96)]:
         x = torch.randn(*shape, dtype=torch.bfloat16)
         torch.testing.assert_close(packed(x), lin(x), atol=1e-2, rtol=1e-2)
 
@@ -178,9 +183,8 @@ def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
     assert len(by_role["rotary"]) == 1 + arch.num_layers  # the model's and each attention's reference
 
 
-@needs_kernel
 @needs_packing
-def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory):
+def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory, cpu_kernels):
     from types import SimpleNamespace
     from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP, FusedRMSNorm, FusedRotary
     folder, _ = tiny_model_factory("qwen3")
@@ -213,54 +217,83 @@ def _tiny_model(folder, attn_op, dtype):
     return model, arch
 
 
-@needs_kernel
+# every combination of paths the CPU backend takes on some CPU, forced where the hardware
+# allows: (kernel build or None for no library, environment)
+MODEL_PATHS = {
+    "amx": ("native", {}),                                  # AMX small-M linears (AMX CPUs)
+    "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0"}),      # oneDNN-packed linears, AVX-512 kernels
+    "portable": ("portable", {}),                           # an AVX2-only CPU's C++ kernels
+    "unpacked": ("native", {"POLYRUNNER_CPU_PACK": "0"}),   # plain F.linear (no oneDNN bf16 packing)
+    "unfused": ("native", {"POLYRUNNER_CPU_FUSE": "0"}),    # the model's own elementwise modules
+    "no_kernels": (None, {}),                               # no compiler: reference attention, unfused
+}
+
+
+@pytest.mark.parametrize("path", list(MODEL_PATHS))
 @pytest.mark.parametrize("kind", ["mistral", "qwen3"])
-def test_fast_model_matches_reference_model(tiny_model_factory, kind):
-    """The whole model with the CPU fast paths (kernel, SDPA prefill, packed bf16
-    weights) gives the logits of the plain model with the reference attention,
-    on a mixed decode + prefill batch over a pre-filled cache."""
+def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kind, path):
+    """The whole bfloat16 model through the CPU executor, on every path, gives the
+    logits of the plain model with the reference attention: a mixed decode +
+    prefill batch over a pre-filled cache, then a decode-only one (AMX-sized)."""
     from types import SimpleNamespace
-    from polyrunner.backends.cpu.executor import CPUExecutor
+    from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP
+    from polyrunner.device.backend import ModelInputs
+    variant, env = MODEL_PATHS[path]
+    if variant is not None and kernels.load_library(variant) is None:
+        pytest.skip("no C++ compiler: the CPU kernel library is not built")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     folder, _ = tiny_model_factory(kind)
     dtype = torch.bfloat16
-    fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
-    ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
-    config = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8))
-    executor = CPUExecutor(fast, config)
-    rng = np.random.default_rng(0)
-    meta = _batch(rng, num_decodes=3, num_prefills=3, block_size=16, num_blocks=48, max_blocks=6)
-    T = meta.num_padded_tokens
-    ids = torch.from_numpy(rng.integers(3, arch.vocab_size, size=T))
-    shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)
-    caches = [torch.randn(shape).to(dtype) for _ in range(arch.num_layers)]
-    ref_caches = [c.clone() for c in caches]
-    from polyrunner.device.backend import ModelInputs
-    with torch.inference_mode():
-        hidden = executor.run(ModelInputs(ids, meta.positions, meta, caches, torch.zeros(1, dtype=torch.long)))
-        expected = ref(ids, meta.positions, meta, ref_caches)
-        got = fast.compute_logits(hidden).float()
-        want = ref.compute_logits(expected).float()
-        if executor.packed_logits is not None:
-            torch.testing.assert_close(executor.packed_logits(hidden).float(), got, atol=5e-2, rtol=5e-2)
-    n = meta.num_actual_tokens
-    bound = 5e-2 * max(1.0, float(want[:n].abs().max()))
-    assert float((got[:n] - want[:n]).abs().max()) <= bound
+    with kernels.use_kernels(variant):
+        if path == "amx" and not kernels.amx_available():
+            pytest.skip(f"no AMX linear: {kernels.amx_unavailable_reason()}")
+        packed = path != "unpacked" and packing_supported(dtype)
+        if path in ("amx", "onednn") and not packed:
+            pytest.skip("oneDNN bfloat16 packing unavailable on this CPU: its linears are the [unpacked] case")
+        fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
+        ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
+        config = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8))
+        executor = CPUExecutor(fast, config)
+        linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
+        assert all(isinstance(m, PackedLinear) for m in linears) == packed
+        assert any(m.amx is not None for m in linears if isinstance(m, PackedLinear)) == (path == "amx")
+        assert isinstance(fast.layers[0].mlp, FusedMLP) == (path not in ("unfused", "no_kernels"))
+        rng = np.random.default_rng(0)
+        shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)
+        caches = [torch.randn(shape).to(dtype) for _ in range(arch.num_layers)]
+        ref_caches = [c.clone() for c in caches]
+        for decodes, prefills in ((3, 3), (5, 0)):
+            meta = _batch(rng, num_decodes=decodes, num_prefills=prefills, block_size=16, num_blocks=48,
+                          max_blocks=6)
+            T = meta.num_padded_tokens
+            ids = torch.from_numpy(rng.integers(3, arch.vocab_size, size=T))
+            with torch.inference_mode():
+                hidden = executor.run(ModelInputs(ids, meta.positions, meta, caches, torch.zeros(1, dtype=torch.long)))
+                expected = ref(ids, meta.positions, meta, ref_caches)
+                got = fast.compute_logits(hidden).float()
+                want = ref.compute_logits(expected).float()
+                if executor.packed_logits is not None:
+                    torch.testing.assert_close(executor.packed_logits(hidden).float(), got, atol=5e-2, rtol=5e-2)
+            n = meta.num_actual_tokens
+            bound = 5e-2 * max(1.0, float(want[:n].abs().max()))
+            assert float((got[:n] - want[:n]).abs().max()) <= bound, (decodes, prefills)
 
 
-@needs_kernel
-def test_fused_rms_norm_and_mlp_match_the_model_modules():
+@pytest.mark.parametrize("H,I", [(96, 160), (100, 100)])  # (100, 100): the vector loops' scalar tails
+def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, I):
     from polyrunner.backends.cpu.executor import FusedMLP, FusedRMSNorm
     from polyrunner.models.arch import DecoderArch
     from polyrunner.models.llama import DecoderMLP, RMSNorm
     torch.manual_seed(0)
-    norm = RMSNorm(96, 1e-5).to(torch.bfloat16)
+    norm = RMSNorm(H, 1e-5).to(torch.bfloat16)
     norm.weight.data.normal_(1.0, 0.3)
-    x = (torch.randn(37, 96) * 3).to(torch.bfloat16)
+    x = (torch.randn(37, H) * 3).to(torch.bfloat16)
     torch.testing.assert_close(FusedRMSNorm(norm)(x), norm(x), atol=0, rtol=8e-3)
-    xq = torch.randn(5, 4, 96).to(torch.bfloat16)  # q/k norms act on [T, heads, D]
+    xq = torch.randn(5, 4, H).to(torch.bfloat16)  # q/k norms act on [T, heads, D]
     torch.testing.assert_close(FusedRMSNorm(norm)(xq), norm(xq), atol=0, rtol=8e-3)
-    arch = DecoderArch.from_hf_config(dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=96,
-                                           intermediate_size=160, num_hidden_layers=1, num_attention_heads=4,
+    arch = DecoderArch.from_hf_config(dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=H,
+                                           intermediate_size=I, num_hidden_layers=1, num_attention_heads=4,
                                            num_key_value_heads=2, max_position_embeddings=64))
     mlp = DecoderMLP(arch).to(torch.bfloat16)
     torch.testing.assert_close(FusedMLP(mlp)(x), mlp(x), atol=2e-2, rtol=2e-2)

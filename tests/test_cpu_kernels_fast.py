@@ -1,5 +1,6 @@
 """The CPU backend's newer C++ kernels against their PyTorch references:
-AMX small-M linear, in-place rotary, fused residual add + RMSNorm."""
+AMX small-M linear (where the CPU has AMX), in-place rotary, fused residual
+add + RMSNorm (each with the AVX-512 and the portable build: `cpu_kernels`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 
 from polyrunner.backends.cpu import kernels
 
-pytestmark = pytest.mark.skipif(kernels.paged_attention_kernel() is None, reason="no C++ compiler")
+needs_amx = pytest.mark.skipif(not kernels.amx_available(), reason=f"no AMX linear: {kernels.amx_unavailable_reason()}")
 
 
-@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+@needs_amx
 @pytest.mark.parametrize("M", [1, 2, 15, 16, 17, 31, 32, 33, 48, 64])
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (960, 576), (576, 1536), (80, 96)])
 def test_amx_linear_matches_matmul(M: int, N: int, K: int) -> None:
@@ -24,7 +25,7 @@ def test_amx_linear_matches_matmul(M: int, N: int, K: int) -> None:
     torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
 
 
-@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+@needs_amx
 def test_amx_linear_strided_rows_and_declines() -> None:
     x = torch.randn(5, 128).to(torch.bfloat16)[:, :64]  # row stride 128
     w = torch.randn(32, 64).to(torch.bfloat16)
@@ -36,7 +37,7 @@ def test_amx_linear_strided_rows_and_declines() -> None:
     assert kernels.amx_linear_bf16(big, kernels.amx_pack_bf16(w), 32) is None
 
 
-@pytest.mark.skipif(not kernels.amx_available(), reason="no AMX on this CPU")
+@needs_amx
 def test_packed_linear_small_and_large_batches_agree() -> None:
     from polyrunner.backends.cpu.executor import PackedLinear
     w = (torch.randn(192, 128) / 8).to(torch.bfloat16)
@@ -49,8 +50,8 @@ def test_packed_linear_small_and_large_batches_agree() -> None:
 
 
 @pytest.mark.parametrize("T", [1, 5, 130])
-@pytest.mark.parametrize("D", [64, 128])
-def test_fused_rotary_is_exact(T: int, D: int) -> None:
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_fused_rotary_is_exact(cpu_kernels, T: int, D: int) -> None:
     from polyrunner.backends.cpu.executor import FusedRotary
     from polyrunner.models.rotary import RotaryEmbedding
     rotary = RotaryEmbedding(D, 2048, 10000.0, None)
@@ -77,12 +78,13 @@ def test_fused_rotary_keeps_float32_reference() -> None:
 
 
 @pytest.mark.parametrize("T", [1, 3, 200])
-def test_fused_add_rms_norm_matches_module(T: int) -> None:
+@pytest.mark.parametrize("H", [576, 100])  # 100: the vector loop's scalar tail
+def test_fused_add_rms_norm_matches_module(cpu_kernels, T: int, H: int) -> None:
     from polyrunner.backends.cpu.executor import FusedRMSNorm
     from polyrunner.models.llama import RMSNorm
-    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
-    norm.weight.data = (torch.rand(576) + 0.5).to(torch.bfloat16)
-    x, residual = (torch.randn(T, 576) * 4).to(torch.bfloat16), torch.randn(T, 576).to(torch.bfloat16)
+    norm = RMSNorm(H, 1e-5).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(H) + 0.5).to(torch.bfloat16)
+    x, residual = (torch.randn(T, H) * 4).to(torch.bfloat16), torch.randn(T, H).to(torch.bfloat16)
     ref_out, ref_res = norm.forward_add(x, residual)
     out, res = FusedRMSNorm(norm).forward_add(x, residual)
     assert torch.equal(res, ref_res)

@@ -1,11 +1,18 @@
 """Build and load the CPU kernels: paged attention and fused elementwise ops
 (`paged_attention.cpp`), the AMX small-M linear (`linear_amx.cpp`).
 
-The kernels are plain C++ compiled into one library once per (sources, compiler, CPU) into
+The kernels are plain C++ compiled into one library once per (sources, flags, compiler, CPU) into
 `~/.cache/polyrunner/cpu_kernels/` (about a second with g++) and called
 through ctypes with raw pointers. Without a C++ compiler, or with
 `POLYRUNNER_CPU_KERNELS=0`, `paged_attention_kernel()` returns None and the
-backend falls back to the reference attention (with a warning).
+backend falls back to the reference attention (with a warning), unfused
+modules and oneDNN alone for the linears.
+
+Two builds (`VARIANTS`): "native" (`-march=native`: the AVX-512 BF16 paths and
+the AMX linear where the CPU has them) and "portable" (`-DPR_PORTABLE`, and no
+AVX-512 on x86: the plain loops an AVX2-only CPU runs, no AMX).
+`POLYRUNNER_CPU_SIMD=0` makes the backend use the portable one;
+`use_kernels(variant)` switches for a block (tests run every path on every CPU).
 
 `paged_attention(...)` is also registered as the torch custom op
 `polyrunner_cpu::paged_attention` (mutating the KV cache and the output), so a
@@ -14,10 +21,12 @@ backend falls back to the reference attention (with a warning).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,10 +42,13 @@ SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp")]  # built into one
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+VARIANTS = {"native": [], "portable": ["-DPR_PORTABLE", *(["-mno-avx512f"] if _X86 else [])]}
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_lock, _lock_variant = threading.Lock(), threading.Lock()
+_lib: ctypes.CDLL | None = None  # the library the backend calls (`paged_attention_kernel()`)
 _tried = False
+_loaded: dict[str, ctypes.CDLL | None] = {}  # per variant
 
 
 def cache_dir() -> Path:
@@ -54,17 +66,17 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str]) -> Path:
     src = b"".join(p.read_bytes() for p in SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_signature().encode())
+    key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_signature().encode())
     target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders agree on the result
@@ -72,47 +84,83 @@ def _build(compiler: str) -> Path:
 
 
 def paged_attention_kernel() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first use; None when unavailable."""
+    """The kernel library the backend calls, built on first use: the "portable"
+    variant with `POLYRUNNER_CPU_SIMD=0`, else "native"; None when unavailable
+    (`POLYRUNNER_CPU_KERNELS=0`, no compiler, a failed build)."""
     global _lib, _tried
     if _tried:
         return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("POLYRUNNER_CPU_KERNELS", "1") == "0":
-            return None
+        if not _tried:
+            if os.environ.get("POLYRUNNER_CPU_KERNELS", "1") != "0":
+                portable = os.environ.get("POLYRUNNER_CPU_SIMD", "1") == "0"
+                _lib = load_library("portable" if portable else "native")
+            _tried = True
+    return _lib
+
+
+def load_library(variant: str = "native") -> ctypes.CDLL | None:
+    """The kernel library built with `VARIANTS[variant]`, loaded once per process;
+    None without a C++ compiler or when the build or load fails (logged)."""
+    with _lock_variant:
+        if variant in _loaded:
+            return _loaded[variant]
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        lib = None
         if compiler is None:
             logger.warning("no C++ compiler found: the CPU backend uses the slow reference attention")
-            return None
-        try:
-            torch.set_num_threads(torch.get_num_threads())  # load torch's OpenMP runtime first
-            lib = ctypes.CDLL(str(_build(compiler)))
-            fn = lib.pr_paged_attention
-            fn.restype = ctypes.c_int
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                           ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64]
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.pr_rms_norm_bf16.restype = None
-            lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
-            lib.pr_add_rms_norm_bf16.restype = None
-            lib.pr_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-            lib.pr_silu_mul_bf16.restype = None
-            lib.pr_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64]
-            lib.pr_rotary_bf16.restype = None
-            lib.pr_rotary_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
-            lib.pr_amx_init.restype = ctypes.c_int
-            lib.pr_amx_pack_bf16.restype = None
-            lib.pr_amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
-            lib.pr_amx_linear_bf16.restype = ctypes.c_int
-            lib.pr_amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
-            _lib = lib
-        except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
-            logger.warning("CPU attention kernel unavailable (%s): using the reference attention", exc)
-            _lib = None
-        return _lib
+        else:
+            try:
+                torch.set_num_threads(torch.get_num_threads())  # load torch's OpenMP runtime first
+                lib = _declare(ctypes.CDLL(str(_build(compiler, FLAGS + VARIANTS[variant]))))
+            except Exception as exc:  # noqa: BLE001 - any build/load failure means "use the fallback"
+                logger.warning("CPU attention kernel unavailable (%s): using the reference attention", exc)
+        _loaded[variant] = lib
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of the library's functions."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pr_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                   ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64]
+    lib.pr_simd_bf16.restype = ctypes.c_int
+    lib.pr_rms_norm_bf16.restype = None
+    lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
+    lib.pr_add_rms_norm_bf16.restype = None
+    lib.pr_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    lib.pr_silu_mul_bf16.restype = None
+    lib.pr_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.pr_rotary_bf16.restype = None
+    lib.pr_rotary_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+    lib.pr_amx_init.restype = ctypes.c_int
+    lib.pr_amx_pack_bf16.restype = None
+    lib.pr_amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.pr_amx_linear_bf16.restype = ctypes.c_int
+    lib.pr_amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    return lib
+
+
+@contextlib.contextmanager
+def use_kernels(variant: str | None):
+    """Run the block with the `variant` library ("native", "portable"; None: none,
+    i.e. the reference fallbacks) as the backend's; AMX is probed again. Modules
+    built inside keep what they chose (e.g. a PackedLinear's AMX copy)."""
+    global _lib, _tried, _amx
+    saved = _lib, _tried, _amx
+    _lib, _tried, _amx = (load_library(variant) if variant else None), True, None
+    try:
+        yield _lib
+    finally:
+        _lib, _tried, _amx = saved
+
+
+def simd_bf16(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library (default: the backend's) has the AVX-512 BF16 paths."""
+    lib = lib if lib is not None else paged_attention_kernel()
+    return lib is not None and lib.pr_simd_bf16() == 1
 
 
 def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -184,9 +232,25 @@ def amx_available() -> bool:
     """Whether the AMX small-M linear can run here (kernel built with AMX, tiles granted)."""
     global _amx
     if _amx is None:
-        _amx = (paged_attention_kernel() is not None and os.environ.get("POLYRUNNER_CPU_AMX", "1") != "0"
-                and _lib.pr_amx_init() == 0)
+        _amx = amx_unavailable_reason() is None
     return _amx
+
+
+def amx_unavailable_reason() -> str | None:
+    """None when the AMX linear can run here, else why not."""
+    if os.environ.get("POLYRUNNER_CPU_AMX", "1") == "0":
+        return "POLYRUNNER_CPU_AMX=0"
+    lib = paged_attention_kernel()
+    if lib is None:
+        return "no CPU kernel library (no C++ compiler, or POLYRUNNER_CPU_KERNELS=0)"
+    rc = lib.pr_amx_init()
+    if rc == 0:
+        return None
+    if rc == 2:
+        return "Linux refused this process the AMX tile state (arch_prctl)"
+    if lib is _loaded.get("portable"):
+        return "the portable kernel build has no AMX code"
+    return "the native kernel build has no AMX code: this CPU lacks AMX-TILE/AMX-BF16"
 
 
 def amx_pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:

@@ -13,7 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) \
+    && !defined(PR_PORTABLE)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,7 +23,8 @@
 
 extern "C" {
 
-// 0 when AMX tiles are usable by this process (asks Linux for the tile state).
+// 0 when AMX tiles are usable by this process (asks Linux for the tile state);
+// 1: not compiled in (no AMX on the build CPU, or PR_PORTABLE); 2: Linux refused.
 int pr_amx_init() {
 #ifdef PR_AMX
   const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;

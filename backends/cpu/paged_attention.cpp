@@ -26,7 +26,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// PR_BF16_DOT: the AVX-512 (F + BF16) paths. Without it (another CPU, or built with
+// -DPR_PORTABLE, as the tests do to run the fallback on every CPU) every op runs
+// its plain loops, which the compiler vectorises for the CPU it targets.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(PR_PORTABLE)
 #include <immintrin.h>
 #define PR_BF16_DOT 1
 #endif
@@ -344,6 +347,15 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
 }
 
 int pr_abi_version() { return 1; }
+
+// 1 when the AVX-512 BF16 paths (PR_BF16_DOT) are compiled in, else 0.
+int pr_simd_bf16() {
+#ifdef PR_BF16_DOT
+  return 1;
+#else
+  return 0;
+#endif
+}
 }
 
 // ---- fused elementwise ops for bfloat16 models (exactly Hugging Face's roundings) ----
