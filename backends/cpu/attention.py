@@ -20,9 +20,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.attention.reference import causal_mask, reference_paged_attention
 from polyrunner.backends.cpu import kernels
+from polyrunner.plugin_api import AttentionMetadata, LayerSpec, causal_mask, reference_paged_attention
 
 logger = logging.getLogger(__name__)
 _warned = False

@@ -33,8 +33,8 @@ import time
 import torch
 from torch import nn
 
-from polyrunner.device.backend import GraphExecutor, ModelInputs
 from polyrunner.backends.cpu import kernels
+from polyrunner.plugin_api import GraphExecutor, ModelInputs
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +241,8 @@ class CPUExecutor(GraphExecutor):
         self.packed_logits: PackedLinear | None = None
         if packing_supported(dtype):
             hint = max(64, min(config.scheduler.max_num_batched_tokens, 2048))
-            head = getattr(model, "lm_head", None)
-            weight = head.weight if isinstance(head, nn.Linear) else getattr(
-                getattr(model, "embed_tokens", None), "weight", None)
+            lm_head_weight = getattr(model, "lm_head_weight", None)   # optional model hook
+            weight = None if lm_head_weight is None else lm_head_weight()
             if weight is not None and weight.dtype == torch.bfloat16:
                 self.packed_logits = PackedLinear(weight, None, config.scheduler.max_num_seqs)
             n = pack_linears(model, hint)

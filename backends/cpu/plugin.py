@@ -8,11 +8,9 @@ import platform
 
 import torch
 
-from polyrunner.attention.metadata import NULL_BLOCK
-from polyrunner.device.backend import Availability, Backend, Capabilities
-from polyrunner.plugins import hookimpl
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
+from polyrunner.plugin_api import NULL_BLOCK, Availability, Backend, Capabilities, hookimpl
 
 
 DEFAULT_KV_CAP = 4 << 30

@@ -134,8 +134,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for the given hidden rows."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self.lm_head_weight()).float()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The `[vocab, hidden]` matrix of `compute_logits` (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def replaceable_modules(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
         """`(role, parent, attribute, module)` for every part a backend may swap for

@@ -63,6 +63,9 @@ def polyrunner_models() -> "dict[str, type]":
         over float32 `cos`/`sin` tables `[max_positions, D]` (rotate_half
         layout); a replacement may rotate in place. One module shared by
         several parents is yielded once per parent: replace it by one module.
+    - OPTIONAL `lm_head_weight() -> Tensor [vocab, hidden]`: the matrix
+      `compute_logits` multiplies by (the embedding when tied), so a backend
+      may compute logits through its own packed copy.
     """
 
 

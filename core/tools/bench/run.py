@@ -41,9 +41,8 @@ class StepRecorder:
 
     def __enter__(self) -> "StepRecorder":
         def execute(so):
-            result = self._orig(so)
-            self.steps.append(int(result.num_tokens))
-            return result
+            self.steps.append(so.total_num_tokens)
+            return self._orig(so)
         self.runner.execute = execute
         return self
 
