@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from polyrunner.sample import (
     LogprobsLists,
-    LogprobsTensors,
     Sampler,
     SamplingState,
     apply_logits_processors,
@@ -528,13 +527,12 @@ def test_prompt_logprobs():
     ranks = (ref > ref[np.arange(5), targets][:, None]).sum(1) + 1
     np.testing.assert_array_equal(lp.ranks.numpy(), ranks)
     assert compute_prompt_logprobs(torch.from_numpy(logits), torch.from_numpy(targets), -1).token_ids.shape == (5, 10)
-    # a chunked prompt fills a host buffer slice by slice
-    buf = LogprobsTensors.empty_cpu(5, 3)
-    for lo, hi in ((0, 2), (2, 5)):
-        part = compute_prompt_logprobs(torch.from_numpy(logits[lo:hi]), torch.from_numpy(targets[lo:hi]), 2)
-        buf.token_ids[lo:hi], buf.logprobs[lo:hi], buf.ranks[lo:hi] = part.token_ids, part.logprobs, part.ranks
-    assert torch.equal(buf.token_ids, lp.token_ids) and torch.equal(buf.ranks, lp.ranks)
-    np.testing.assert_allclose(buf.logprobs.numpy(), lp.logprobs.numpy())
+    # a chunked prompt's chunks give the rows of the whole prompt
+    parts = [compute_prompt_logprobs(torch.from_numpy(logits[lo:hi]), torch.from_numpy(targets[lo:hi]), 2)
+             for lo, hi in ((0, 2), (2, 5))]
+    assert torch.equal(torch.cat([p.token_ids for p in parts]), lp.token_ids)
+    assert torch.equal(torch.cat([p.ranks for p in parts]), lp.ranks)
+    np.testing.assert_allclose(torch.cat([p.logprobs for p in parts]).numpy(), lp.logprobs.numpy())
 
 
 def test_sampler_never_writes_into_logits():

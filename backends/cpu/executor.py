@@ -94,7 +94,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.out_features = weight.shape[0]
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)

@@ -249,7 +249,7 @@ def no_grad_not_inference():
 
 def _dummy_sampling(R: int, vocab: int) -> SamplingInputs:
     return SamplingInputs(
-        num_rows=R, all_greedy=True, stop_ids=np.full((R, STOP_WIDTH), vocab, np.int64),
+        all_greedy=True, stop_ids=np.full((R, STOP_WIDTH), vocab, np.int64),
         temperature=np.ones(R, np.float32), top_k=np.full(R, vocab, np.int64),
         top_p=np.ones(R, np.float32), min_p=np.zeros(R, np.float32), is_greedy=np.ones(R, bool),
         keys=np.zeros(R, np.int64), num_logprobs=np.full(R, -1, np.int64), max_logprobs=-1,

@@ -103,7 +103,6 @@ def topk_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Logprob
 class SamplingInputs:
     """Padded host arrays for one step's rows (`R_pad` rows, padding = greedy no-ops)."""
 
-    num_rows: int
     all_greedy: bool
     stop_ids: np.ndarray      # [R_pad, S] int64 (V = unused)
     temperature: np.ndarray   # [R_pad] f32
@@ -112,7 +111,7 @@ class SamplingInputs:
     min_p: np.ndarray         # [R_pad] f32
     is_greedy: np.ndarray     # [R_pad] bool
     keys: np.ndarray          # [R_pad] int64
-    num_logprobs: np.ndarray  # [num_rows] int64, -1 = none
+    num_logprobs: np.ndarray  # [R] int64, -1 = none
     max_logprobs: int         # -1 = no row wants logprobs
     host_only: bool           # a row needs more than the graphs hold (stop ids / logprobs)
 
@@ -155,7 +154,7 @@ def build_sampling_inputs(rows: HostSamplingRows, padded_rows: int, vocab: int,
     num_logprobs = rows.num_logprobs.copy()
     max_lp = int(num_logprobs.max()) if n else -1
     host_only = width > stop_width or max_lp > min(max_logprobs, vocab)
-    return SamplingInputs(n, all_greedy, stop_ids, temperature, top_k, top_p, min_p, is_greedy,
+    return SamplingInputs(all_greedy, stop_ids, temperature, top_k, top_p, min_p, is_greedy,
                           keys, num_logprobs, max_lp, host_only)
 
 

@@ -9,11 +9,10 @@ reads and writes it through the property. Block ids live in the
 from __future__ import annotations
 
 import enum
-import time
-
-import numpy as np
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from polyrunner.sampling_params import SamplingParams
@@ -49,7 +48,6 @@ class Request:
     max_tokens: int                      # resolved: params.max_tokens or room left in max_model_len
     eos_token_ids: frozenset[int] = frozenset()
     prompt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
@@ -79,10 +77,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -42,15 +42,6 @@ class LogprobsTensors:
     logprobs: torch.Tensor   # [R, k+1] float32
     ranks: torch.Tensor      # [R] int64, rank of the chosen token (1 = best)
 
-    @staticmethod
-    def empty_cpu(num_positions: int, num_tokens_per_position: int) -> "LogprobsTensors":
-        """Host buffers to fill slice by slice (prompt logprobs of a chunked prompt)."""
-        return LogprobsTensors(
-            torch.empty(num_positions, num_tokens_per_position, dtype=torch.int64),
-            torch.empty(num_positions, num_tokens_per_position, dtype=torch.float32),
-            torch.empty(num_positions, dtype=torch.int64),
-        )
-
     def tolists(self) -> LogprobsLists:
         """Copy to the host (a synchronisation point)."""
         return LogprobsLists(
