@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 

@@ -387,7 +387,7 @@ def test_enforce_eager_captures_nothing(sim_backend, tiny_llama):
 def _random_decode_inputs(runner, B, W, seed):
     """A decode-only batch of B requests at random positions below W blocks (the
     first at the last position), each on distinct random blocks."""
-    from polyrunner.runner.model_runner import dummy_step
+    from polyrunner.runner.inputs import dummy_step
     rng = np.random.default_rng(seed)
     bs = runner.block_size
     step = dummy_step(B, B, runner.max_blocks_per_req)

@@ -129,7 +129,6 @@ def test_unseeded_requests_draw_from_engine_seed(model):
 def test_engine_seed_is_independent_of_the_global_rng(model):
     """Two engines with one seed, interleaved and with torch's RNG disturbed in
     between, still agree: the shared draw comes from the engine's own generator."""
-    import torch
     folder, _ = model
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
     sp = SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True)

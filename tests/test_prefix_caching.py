@@ -9,7 +9,6 @@
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

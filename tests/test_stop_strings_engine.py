@@ -13,7 +13,6 @@ import shutil
 from functools import lru_cache
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from polyrunner import LLM, SamplingParams

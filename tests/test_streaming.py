@@ -2,7 +2,6 @@
 and a caller that stops iterating early leaves no KV block behind."""
 
 import pytest
-import torch
 
 from polyrunner import LLM, SamplingParams
 from test_stop_strings_engine import _spanning_stop, ascii_word_tokens, make_tokenizer_folder

@@ -121,3 +121,43 @@ def next_decode_inputs(prev: StepInputs, sampled: np.ndarray, block_size: int) -
         token_to_req=prev.token_to_req, query_start_loc=prev.query_start_loc, seq_lens=prev.seq_lens + 1,
         block_tables=prev.block_tables, logits_indices=prev.logits_indices, discard=prev.discard,
     )
+
+
+def dummy_step(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
+    """A batch of `num_reqs` requests sharing `num_tokens`, writing only the null block."""
+    num_reqs = max(1, min(num_reqs, num_tokens))
+    counts = np.full(num_reqs, num_tokens // num_reqs, np.int64)
+    counts[num_reqs - num_tokens % num_reqs:] += num_tokens % num_reqs > 0  # longer rows last (decode-first)
+    cu = np.cumsum(counts)
+    arange = np.arange(num_tokens) - np.repeat(cu - counts, counts)
+    qsl = np.zeros(num_reqs + 1, np.int32)
+    qsl[1:] = cu
+    return StepInputs(
+        num_tokens=num_tokens, num_reqs=num_reqs, num_decodes=int((counts == 1).sum()),
+        max_query_len=int(counts.max()), max_seq_len=int(counts.max()),
+        input_ids=np.zeros(num_tokens, np.int64), positions=arange.astype(np.int64),
+        slot_mapping=np.zeros(num_tokens, np.int64),
+        token_to_req=np.repeat(np.arange(num_reqs), counts).astype(np.int32),
+        query_start_loc=qsl, seq_lens=counts.astype(np.int32),
+        block_tables=np.zeros((num_reqs, max_blocks), np.int32),
+        logits_indices=(cu - 1).astype(np.int64), discard=np.zeros(num_reqs, bool))
+
+
+def pad_dummy(step: StepInputs, T_pad: int, R_pad: int) -> StepInputs:
+    """Pad a dummy step to a bucket with the same tail invariants as real steps."""
+    T = step.num_tokens
+
+    def pad(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+        out = np.full((n,) + a.shape[1:], fill, a.dtype)
+        out[: len(a)] = a
+        return out
+
+    step.input_ids = pad(step.input_ids, T_pad, 0)
+    step.positions = pad(step.positions, T_pad, 0)
+    step.slot_mapping = pad(step.slot_mapping, T_pad, 0)
+    step.token_to_req = pad(step.token_to_req, T_pad, 0)
+    step.query_start_loc = pad(step.query_start_loc, R_pad + 1, T)
+    step.seq_lens = pad(step.seq_lens, R_pad, 0)
+    step.block_tables = pad(step.block_tables, R_pad, 0)
+    step.logits_indices = pad(step.logits_indices, R_pad, 0)
+    return step

@@ -20,7 +20,7 @@ from polyrunner.device.backend import Backend, ModelInputs
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.models.arch import DecoderArch
-from polyrunner.runner.inputs import StepInputs, next_decode_inputs, prepare_inputs
+from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
 from polyrunner.runner.states import RequestStates
 from polyrunner.sample import SamplingState, compute_prompt_logprobs
 
@@ -36,26 +36,6 @@ class ModelRunnerOutput:
     tokens: np.ndarray                                   # [R] int64; rows that ran a partial prefill: ignore
     logprobs: dict[str, LogprobRow] = field(default_factory=dict)               # req_id -> sampled token's
     prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # req_id -> this step's chunk
-
-
-def dummy_step(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
-    """A batch of `num_reqs` requests sharing `num_tokens`, writing only the null block."""
-    num_reqs = max(1, min(num_reqs, num_tokens))
-    counts = np.full(num_reqs, num_tokens // num_reqs, np.int64)
-    counts[num_reqs - num_tokens % num_reqs:] += num_tokens % num_reqs > 0  # longer rows last (decode-first)
-    cu = np.cumsum(counts)
-    arange = np.arange(num_tokens) - np.repeat(cu - counts, counts)
-    qsl = np.zeros(num_reqs + 1, np.int32)
-    qsl[1:] = cu
-    return StepInputs(
-        num_tokens=num_tokens, num_reqs=num_reqs, num_decodes=int((counts == 1).sum()),
-        max_query_len=int(counts.max()), max_seq_len=int(counts.max()),
-        input_ids=np.zeros(num_tokens, np.int64), positions=arange.astype(np.int64),
-        slot_mapping=np.zeros(num_tokens, np.int64),
-        token_to_req=np.repeat(np.arange(num_reqs), counts).astype(np.int32),
-        query_start_loc=qsl, seq_lens=counts.astype(np.int32),
-        block_tables=np.zeros((num_reqs, max_blocks), np.int32),
-        logits_indices=(cu - 1).astype(np.int64), discard=np.zeros(num_reqs, bool))
 
 
 class ModelRunner:
@@ -113,7 +93,7 @@ class ModelRunner:
         step = dummy_step(min(num_tokens, num_reqs * self.max_model_len), num_reqs, self.max_blocks_per_req)
         T_pad, R_pad = self.buckets.pad(num_tokens, num_reqs)
         if (T_pad, R_pad) != (step.num_tokens, step.num_reqs):
-            step = _pad_dummy(step, T_pad, R_pad)
+            step = pad_dummy(step, T_pad, R_pad)
         inputs = self._to_device(step)
         with self.backend.no_grad():
             hidden = self.executor.run(inputs)
@@ -219,23 +199,3 @@ class ModelRunner:
         for key, array in self.backend.host_attention_extras(step).items():
             meta.extras[key] = dev(array)
         return ModelInputs(dev(step.input_ids), meta.positions, meta, self.kv_caches, logits_idx)
-
-
-def _pad_dummy(step: StepInputs, T_pad: int, R_pad: int) -> StepInputs:
-    """Pad a dummy step to a bucket with the same tail invariants as real steps."""
-    T, R = step.num_tokens, step.num_reqs
-
-    def pad(a: np.ndarray, n: int, fill: int) -> np.ndarray:
-        out = np.full((n,) + a.shape[1:], fill, a.dtype)
-        out[: len(a)] = a
-        return out
-
-    step.input_ids = pad(step.input_ids, T_pad, 0)
-    step.positions = pad(step.positions, T_pad, 0)
-    step.slot_mapping = pad(step.slot_mapping, T_pad, 0)
-    step.token_to_req = pad(step.token_to_req, T_pad, 0)
-    step.query_start_loc = pad(step.query_start_loc, R_pad + 1, T)
-    step.seq_lens = pad(step.seq_lens, R_pad, 0)
-    step.block_tables = pad(step.block_tables, R_pad, 0)
-    step.logits_indices = pad(step.logits_indices, R_pad, 0)
-    return step
