@@ -28,3 +28,18 @@ def test_builtin_backends_register_through_entry_points():
     assert infos["cpu"].availability.available
     for name in ("cuda", "xla", "npu"):
         assert not infos[name].availability.available and infos[name].availability.reason
+
+
+def test_backends_import_only_the_plugin_api():
+    """A built-in backend is a plugin like any other: from polyrunner it imports
+    `polyrunner.plugin_api` (and its own package), nothing else."""
+    import ast
+    bad = []
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                    if n.split(".")[0] == "polyrunner" and n != "polyrunner.plugin_api"
+                    and not n.startswith("polyrunner.backends.")]
+    assert not bad, bad
