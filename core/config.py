@@ -11,6 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# What `Logprob.logprob` holds (vLLM's `logprobs_mode`): "raw" = the model's logits before
+# any logits processor, "processed" = after processors, penalties, temperature, top-k/top-p
+# and min-p (the distribution the token was sampled from); "logprobs" are log-softmaxed.
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 class _Strict(BaseModel):
@@ -25,6 +30,9 @@ class ModelConfig(_Strict):
     max_model_len: int | None = Field(default=None, ge=1, description="None: the model's own limit")
     seed: int = Field(default=0, ge=0, description="engine seed for requests without their own")
     tokenizer: str | None = None
+    max_logprobs: int = Field(default=20, ge=-1, description="most logprobs / prompt_logprobs a request may ask "
+                              "for (vLLM's default 20); -1: the whole vocabulary")
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
 
 class CacheConfig(_Strict):
@@ -44,6 +52,8 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(default=0, ge=0)
+    policy: SchedulingPolicy = Field(default="fcfs", description="fcfs: arrival order; priority: lower "
+                                     "`priority` first (ties by arrival), preempting the lowest-priority")
 
 
 class RunnerConfig(_Strict):

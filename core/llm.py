@@ -7,10 +7,16 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from polyrunner.beam_search import (
+    BeamSearchInstance,
+    BeamSearchOutput,
+    BeamSearchSequence,
+    create_sort_beams_key_function,
+)
 from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.outputs import RequestOutput
-from polyrunner.sampling_params import SamplingParams
+from polyrunner.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -20,21 +26,36 @@ class LLM:
 
     `model`: a local Hugging Face folder or .gguf file (None: the embedded default).
     `backend`: a registered backend name (None: the best available).
+    The other arguments take vLLM's names: `gpu_memory_utilization` is the share of
+    the device's free memory the KV cache may use (without kv_cache_memory_bytes),
+    `num_gpu_blocks_override` fixes the number of KV blocks; `max_logprobs` caps
+    `logprobs` / `prompt_logprobs` (-1: the whole vocabulary); `logprobs_mode` is
+    what the sampled logprobs hold ("raw_logprobs", "raw_logits",
+    "processed_logprobs", "processed_logits"); `scheduling_policy` "fcfs" or
+    "priority" (with `generate(..., priority=[...])`); `long_prefill_token_threshold`
+    caps the tokens a prefill computes in one step (0: no cap).
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, enforce_eager: bool = False, seed: int = 0,
+                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str = "fcfs", max_logprobs: int = 20,
+                 logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
                  tokenizer: str | None = None, **runner_options) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              tokenizer=tokenizer),
+                              tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              memory_utilization=gpu_memory_utilization,
+                              num_blocks_override=num_gpu_blocks_override,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      policy=scheduling_policy),
             runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options))
         self.engine = LLMEngine(config)
 
@@ -42,29 +63,48 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a model without one), as vLLM's `LLM.get_tokenizer()`."""
+        return self.engine.get_tokenizer()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
-        A single invalid prompt raises ValueError. In a list, an invalid prompt
-        gets an output with `error` set (finish_reason "error") and the others run.
+        A call whose every prompt is invalid raises ValueError (the first one's
+        error, vLLM's wording, e.g. "The decoder prompt cannot be empty"). In a
+        list with valid prompts, an invalid prompt gets an output with `error`
+        set (finish_reason "error") and the others run.
+        `priority`: one per prompt, with scheduling_policy="priority" (lower first).
         """
-        single = not isinstance(prompts, (list, tuple))
-        prompt_list = [prompts] if single else list(prompts)
+        return self._generate(prompts, sampling_params, use_tqdm, priority, raise_all_invalid=True)
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool, priority: Sequence[int] | None, raise_all_invalid: bool
+                  ) -> list[RequestOutput]:
+        prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         params = _broadcast(sampling_params, len(prompt_list))
+        if priority is None:
+            priority = [0] * len(prompt_list)
+        elif len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+        errors: list[tuple[int, ValueError]] = []
+        for i, (prompt, p, prio) in enumerate(zip(prompt_list, params, priority)):
             try:
-                order.append(self.engine.add_request(prompt, p))
+                order.append(self.engine.add_request(prompt, p, priority=prio))
             except ValueError as exc:
-                if single:
-                    raise
                 rid = f"rejected-{i}"
                 order.append(rid)
                 outputs[rid] = _rejected(rid, prompt, exc)
-                logger.warning("prompt %d rejected: %s", i, exc)
+                errors.append((i, exc))
+        if raise_all_invalid and errors and len(errors) == len(order):
+            raise errors[0][1]   # nothing was queued
+        for i, exc in errors:
+            logger.warning("prompt %d rejected: %s", i, exc)
         pending = len(order) - len(outputs)
         with tqdm(total=pending, desc="Processed prompts", disable=not use_tqdm or pending == 0) as bar:
             while self.engine.has_unfinished_requests():
@@ -88,6 +128,67 @@ class LLM:
         finally:
             for rid in ids:
                 self.engine.abort_request(rid)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search, on top of `generate`: each step asks every live
+        beam for one token with `2 * beam_width` logprobs (as HF transformers), extends
+        it by each candidate (a candidate that is EOS, unless `ignore_eos`, completes
+        its beam), and keeps the `beam_width` best by `cum_logprob / len **
+        length_penalty` (the length counts the prompt). Returns per prompt the
+        `beam_width` best sequences, best first; `tokens` include the prompt and
+        `text` decodes them all, as vLLM's. A beam that reaches max_model_len is
+        complete (finish_reason "length"); an invalid prompt gets no sequences (all
+        prompts invalid: ValueError)."""
+        tokenizer = self.get_tokenizer()
+        eos = tokenizer.eos_token_id if tokenizer is not None else next(iter(self.engine.arch.eos_token_ids), None)
+        width, ignore_eos, limit = params.beam_width, params.ignore_eos, self.engine.max_model_len
+        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+        step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
+        prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+        # the first step runs the prompts as given (every one invalid: ValueError, as generate)
+        results = self._generate(prompt_list, step_params, False, None, raise_all_invalid=True)
+        instances = [BeamSearchInstance(out.prompt_token_ids) for out in results]
+        beams = [(inst, inst.beams[0]) for inst in instances]
+        steps = range(params.max_tokens)
+        if use_tqdm:
+            steps = tqdm(steps, desc="Beam search", unit="token")
+        for step in steps:
+            if step > 0:
+                for inst in instances:   # a beam at max_model_len cannot grow: it is complete
+                    full = [beam for beam in inst.beams if len(beam.tokens) >= limit]
+                    if full:
+                        for beam in full:
+                            beam.finish_reason = "length"
+                        inst.completed += full
+                        inst.beams = [beam for beam in inst.beams if len(beam.tokens) < limit]
+                beams = [(inst, beam) for inst in instances for beam in inst.beams]
+                if not beams:
+                    break
+                results = self._generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params,
+                                         False, None, raise_all_invalid=False)
+            fresh: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
+            for (inst, beam), result in zip(beams, results):
+                candidates = result.outputs[0].logprobs
+                if not candidates:   # its prompt was rejected
+                    continue
+                position = candidates[0]
+                for token, lp in position.items():
+                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [position],
+                                             beam.cum_logprob + lp.logprob)
+                    if token == eos and not ignore_eos:
+                        inst.completed.append(new)
+                    else:
+                        fresh[id(inst)].append(new)
+            for inst in instances:
+                inst.beams = sorted(fresh[id(inst)], key=sort_key, reverse=True)[:width]
+        outputs = []
+        for inst in instances:
+            best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=False) if tokenizer is not None else None
+            outputs.append(BeamSearchOutput(best))
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
@@ -115,6 +216,7 @@ def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int)
 def _rejected(rid: str, prompt: Prompt, exc: Exception) -> RequestOutput:
     from polyrunner.outputs import CompletionOutput
     text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-    ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+    given = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    ids = list(given) if isinstance(given, (list, tuple)) else []   # as given: it may be what was wrong
     return RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], finish_reason="error")],
                          finished=True, error=str(exc))

@@ -13,9 +13,12 @@ are `polyrunner.device.backend.SAMPLING_FEATURES`).
 
 from __future__ import annotations
 
+import copy
 import enum
+import inspect
 import math
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
@@ -77,6 +80,12 @@ def _range(name: str, v: float, lo: float | None, hi: float | None,
     return v
 
 
+def logits_processor_takes_prompt(fn: Callable[..., Any]) -> bool:
+    """vLLM V0's rule: a processor with 3 parameters is called as
+    `fn(prompt_token_ids, output_token_ids, logits_row)`, else `fn(output_token_ids, logits_row)`."""
+    return len(inspect.signature(fn).parameters) == 3
+
+
 def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
     enc = tokenizer.encode(text, add_special_tokens=False)
     return [int(t) for t in getattr(enc, "ids", enc)]
@@ -109,6 +118,10 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # vLLM V0's per-request logits processors: `fn(output_token_ids, logits_row)` or
+    # `fn(prompt_token_ids, output_token_ids, logits_row)` -> the new logits_row (a [V]
+    # float tensor on the backend's device), applied before every other processor.
+    logits_processors: list[Callable[..., Any]] | None = None
 
     def __init__(self, /, **data: Any) -> None:
         try:
@@ -182,8 +195,8 @@ class SamplingParams(BaseModel):
     @field_validator("min_tokens")
     @classmethod
     def _min_tokens(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"min_tokens must be >= 0 (got {v!r})")
+        if v < 0:   # vLLM's wording
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {v}.")
         return v
 
     @field_validator("stop", mode="before")
@@ -251,12 +264,26 @@ class SamplingParams(BaseModel):
             raise ValueError(f"bad_words must not contain empty or blank strings (got {v!r})")
         return v
 
+    @field_validator("logits_processors")
+    @classmethod
+    def _logits_processors(cls, v: list[Callable[..., Any]] | None) -> list[Callable[..., Any]] | None:
+        for i, fn in enumerate(v or ()):
+            try:
+                n = len(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):
+                n = None
+            if n not in (2, 3):
+                raise ValueError(
+                    f"logits_processors[{i}] must take (output_token_ids, logits) or "
+                    f"(prompt_token_ids, output_token_ids, logits) (got {fn!r})")
+        return v or None
+
     @model_validator(mode="after")
     def _cross_field(self) -> "SamplingParams":
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:   # vLLM's wording
             raise ValueError(
-                f"min_tokens must be <= max_tokens (got min_tokens={self.min_tokens}, "
-                f"max_tokens={self.max_tokens})"
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
             )
         return self
 
@@ -296,11 +323,13 @@ class SamplingParams(BaseModel):
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    def features(self) -> set[str]:
+    def features(self, logprobs_mode: str = "raw_logprobs") -> set[str]:
         """Sampling features this request needs (a subset of SAMPLING_FEATURES).
 
         "temperature" means random (non-greedy) sampling. top_k / top_p /
         min_p / seed only matter, and are only reported, for random requests.
+        `logprobs_mode`: the engine's; a mode other than "raw_logprobs" is a
+        feature of its own for a request that wants (sample) logprobs.
         """
         f: set[str] = set()
         if not self.is_greedy:
@@ -323,6 +352,10 @@ class SamplingParams(BaseModel):
             f.add("bad_words")
         if self.logprobs is not None:
             f.add("logprobs")
+            if logprobs_mode != "raw_logprobs":
+                f.add(logprobs_mode)
+        if self.logits_processors:
+            f.add("logits_processors")
         if self.prompt_logprobs is not None:
             f.add("prompt_logprobs")
         return f
@@ -348,4 +381,26 @@ class SamplingParams(BaseModel):
         return out
 
     def clone(self) -> "SamplingParams":
-        return self.model_copy(deep=True)
+        """A deep copy; logits processors are shared (or `.clone()`d where they can), as vLLM V0."""
+        memo = {id(fn): fn.clone() if hasattr(fn, "clone") else fn for fn in self.logits_processors or ()}
+        return copy.deepcopy(self, memo)
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of `LLM.beam_search` (vLLM's names and defaults)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        _range("temperature", self.temperature, 0.0, None)
+        _finite("length_penalty", self.length_penalty)

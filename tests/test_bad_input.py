@@ -20,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt_token_ids": list(range(3, 67))}, "max_model_len is 64"),
-    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"prompt_token_ids": []}, "The decoder prompt cannot be empty"),   # vLLM's wording
     ({"prompt_token_ids": [5, 512]}, "allowed range is [0, 511]"),
     ({"prompt_token_ids": [5, -1]}, "allowed range is [0, 511]"),
     ("text prompt", "no tokenizer"),

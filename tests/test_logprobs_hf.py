@@ -107,7 +107,8 @@ def test_logprobs_match_transformers(tiny_model_factory, kind, variant):
     kw = dict(VARIANTS[variant])
     if variant == "preempt":
         kw["kv_cache_memory_bytes"] = kv_bytes(hf, 6, BLOCK)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, **kw)
+    # max_logprobs=-1: some prompts ask for the whole vocabulary (vLLM's default cap is 20)
+    llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, max_logprobs=-1, **kw)
     params = [_params(i) for i in range(len(PROMPTS))]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     if variant == "preempt":

@@ -13,7 +13,7 @@ VLLM_DEFAULTS = dict(
     frequency_penalty=0.0, repetition_penalty=1.0, seed=None, max_tokens=16, min_tokens=0,
     stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None, prompt_logprobs=None,
     logit_bias=None, allowed_token_ids=None, bad_words=None, skip_special_tokens=True,
-    include_stop_str_in_output=False, detokenize=True,
+    include_stop_str_in_output=False, detokenize=True, logits_processors=None,
 )
 
 
@@ -46,7 +46,7 @@ INVALID = [
     ("seed", -(2**63) - 1, r"seed must be in"),
     ("seed", "abc", r"seed: Input should be a valid integer"),
     ("max_tokens", 0, r"max_tokens must be >= 1 or None \(got 0\)"),
-    ("min_tokens", -1, r"min_tokens must be >= 0 \(got -1\)"),
+    ("min_tokens", -1, r"min_tokens must be greater than or equal to 0, got -1\."),   # vLLM's wording
     ("stop", [""], r"stop must not contain an empty string"),
     ("stop", "", r"stop must not contain an empty string"),
     ("stop", [5], r"stop.0: Input should be a valid string"),
@@ -66,6 +66,8 @@ INVALID = [
     ("skip_special_tokens", "perhaps", r"skip_special_tokens: Input should be a valid boolean"),
     ("include_stop_str_in_output", [], r"include_stop_str_in_output: Input should be a valid boolean"),
     ("detokenize", "perhaps", r"detokenize: Input should be a valid boolean"),
+    ("logits_processors", [lambda logits: logits], r"logits_processors\[0\] must take \(output_token_ids, logits\)"),
+    ("logits_processors", [5], r"logits_processors.0: Input should be callable"),
 ]
 
 
@@ -99,11 +101,12 @@ def test_unknown_field_forbidden():
 
 
 def test_min_tokens_le_max_tokens():
-    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(got min_tokens=17, max_tokens=16\)"):
+    # vLLM's wording
+    with pytest.raises(ValueError, match=r"min_tokens must be less than or equal to max_tokens=16, got 17\."):
         SamplingParams(min_tokens=17)
     SamplingParams(min_tokens=16)
     p = SamplingParams(min_tokens=1000, max_tokens=None)
-    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+    with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens=10, got 1000"):
         p.max_tokens = 10
     assert p.max_tokens is None  # a failed cross-field assignment leaves the old value
 
@@ -175,8 +178,10 @@ def test_features_are_backend_feature_names():
 
     p = SamplingParams(top_k=2, top_p=0.5, min_p=0.1, seed=1, repetition_penalty=1.2,
                        logit_bias={1: 1}, allowed_token_ids=[1], bad_words=["x"], logprobs=1,
-                       prompt_logprobs=1)
-    assert p.features() == set(SAMPLING_FEATURES)
+                       prompt_logprobs=1, logits_processors=[lambda out, row: row])
+    modes = {"raw_logits", "processed_logprobs", "processed_logits"}   # the engine's logprobs_mode
+    assert p.features() == set(SAMPLING_FEATURES) - modes
+    assert set().union(*(p.features(mode) for mode in modes)) == set(SAMPLING_FEATURES)
 
 
 class WordTokenizer:

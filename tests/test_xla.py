@@ -21,7 +21,8 @@ from polyrunner import LLM, SamplingParams  # noqa: E402
 
 MAX_SEQS = 24
 OPTIONS = dict(dtype="float32", max_num_seqs=MAX_SEQS, max_num_batched_tokens=64, max_model_len=128,
-               block_size=16, kv_cache_memory_bytes=2 * 16 * 2 * 16 * 4 * 2 * 160)  # 160 blocks
+               block_size=16, kv_cache_memory_bytes=2 * 16 * 2 * 16 * 4 * 2 * 160,  # 160 blocks
+               max_logprobs=-1)  # full-vocabulary logprobs allowed (vLLM's default cap is 20)
 
 
 @pytest.fixture(scope="module")

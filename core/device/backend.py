@@ -42,10 +42,14 @@ if TYPE_CHECKING:
 
 _SAMPLER = Sampler()
 
-# Sampling features a backend may or may not run on its device.
+# Sampling features a backend may or may not run on its device. "logprobs" is the
+# default `logprobs_mode` (raw logprobs); "raw_logits", "processed_logprobs" and
+# "processed_logits" are the other modes; "logits_processors" runs per-request Python
+# callables on each sampled logits row (the core sampler does).
 SAMPLING_FEATURES = frozenset({
     "temperature", "top_k", "top_p", "min_p", "penalties", "logit_bias",
     "allowed_token_ids", "bad_words", "seed", "logprobs", "prompt_logprobs",
+    "raw_logits", "processed_logprobs", "processed_logits", "logits_processors",
 })
 
 

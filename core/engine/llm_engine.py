@@ -7,6 +7,7 @@ import itertools
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrunner.config import EngineConfig
@@ -28,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EMPTY_PROMPT = "The decoder prompt cannot be empty"   # vLLM's wording
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class LLMEngine:
@@ -72,15 +79,21 @@ class LLMEngine:
             ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
 
+    def get_tokenizer(self):
+        """The model's tokenizer (None for a model without one), as vLLM's."""
+        return self.tokenizer
+
     # ---- requests ---------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False) -> str:
+                    request_id: str | None = None, stream: bool = False, priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError before anything is scheduled.
-        `stream`: `step()` reports it every step, not only when finished."""
+        `stream`: `step()` reports it every step, not only when finished.
+        `priority`: with scheduling_policy="priority", lower values run first."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, ids = self._tokenize(prompt)
         self._validate(ids, params)
+        self._check_priority(priority)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -90,7 +103,7 @@ class LLMEngine:
             if params.n > 1:
                 child_params = params.model_copy(update={"n": 1, "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text)
+            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text, priority=priority)
             if params.bad_words:
                 child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
             children.append(child)
@@ -100,30 +113,62 @@ class LLMEngine:
         return request_id
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, {"prompt_token_ids": [...]} (with an
+        optional "prompt" text) or {"prompt": text}, vLLM's prompt forms."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} instead of text")
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise ValueError(_EMPTY_PROMPT)
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+
+    def _token_ids(self, ids: Any) -> list[int]:
+        """`prompt_token_ids` as a list of ints; anything else (floats, strings, bools,
+        nesting) is a ValueError naming the field, the value and the allowed range."""
+        top = self.arch.vocab_size - 1
+        what = f"prompt_token_ids must be a list of integers in the allowed range [0, {top}]"
+        if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu":
+            return ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{what} (got {type(ids).__name__} {_short(ids)})")
+        if all(type(t) is int for t in ids):
+            return list(ids)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{what} (got {_short(t)} of type {type(t).__name__} at index {i})")
+        return [int(t) for t in ids]
+
+    def _check_priority(self, priority: Any) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an integer (got {_short(priority)})")
+        if priority != 0 and self.config.scheduler.policy != "priority":   # vLLM's wording
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.arch.vocab_size
         if not ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains {bad[0]}; allowed range is [0, {vocab - 1}]")
+            raise ValueError(_EMPTY_PROMPT)
+        if min(ids) < 0 or max(ids) >= vocab:   # vLLM: "Token id {id} is out of vocabulary"
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise ValueError(f"Token id {bad} is out of vocabulary: prompt_token_ids allowed range is "
+                             f"[0, {vocab - 1}]")
+        max_n = self.config.scheduler.max_num_seqs
+        if params.n > max_n:
+            raise ValueError(f"n must be in [1, {max_n}] (got {params.n}): a request's n completions must fit "
+                             f"in one batch of max_num_seqs={max_n} sequences; raise max_num_seqs for more")
+        self._validate_logprobs(params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              f"so the prompt may have at most {self.max_model_len - 1}")
         params.validate_for_vocab(vocab)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias instead)")
-        missing = params.features() - self.backend.capabilities.sampling
+        missing = params.features(self.config.model.logprobs_mode) - self.backend.capabilities.sampling
         if missing:
             raise ValueError(f"backend {self.backend.name!r} does not support sampling features "
                              f"{sorted(missing)} on its device")
@@ -132,6 +177,19 @@ class LLMEngine:
         if need > self.kv.pool.num_usable_blocks:
             raise ValueError(f"request needs {need} KV blocks but the cache holds only "
                              f"{self.kv.pool.num_usable_blocks}; raise kv_cache_memory_bytes")
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's `max_logprobs` check and wording (-1 asks for the whole vocabulary, allowed
+        only when max_logprobs is -1 or at least the vocabulary size)."""
+        vocab = self.arch.vocab_size
+        limit = self.config.model.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if asked:
+                asked = vocab if asked == -1 else asked
+                if asked > limit:
+                    raise ValueError(f"Requested {kind} logprobs of {asked}, which is greater than max "
+                                     f"allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (all its `n` completions); frees its blocks and slot at once."""

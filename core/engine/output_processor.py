@@ -17,6 +17,7 @@ class _Completion:
     detok: IncrementalDetokenizer | None
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
+    tokenizer: object | None = None   # decodes Logprob.decoded_token; None with detokenize=False
 
 
 @dataclass
@@ -26,6 +27,7 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[str]
     stream: bool = False   # emit every step (else only when finished)
+    tokenizer: object | None = None   # for prompt logprobs' decoded tokens (None: detokenize=False)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: set[str] = field(default_factory=set)
 
@@ -43,8 +45,10 @@ class OutputProcessor:
 
     def add(self, parent_id: str, children: list[Request], stream: bool = False) -> None:
         first = children[0]
+        # vLLM: detokenize=False leaves the text empty and every Logprob.decoded_token None
+        decoder = self.tokenizer if first.params.detokenize else None
         self._parents[parent_id] = _Parent(parent_id, first.prompt, first.prompt_token_ids,
-                                           [c.request_id for c in children], stream)
+                                           [c.request_id for c in children], stream, tokenizer=decoder)
         if stream:
             self.streaming.update(c.request_id for c in children)
         for i, req in enumerate(children):
@@ -56,7 +60,7 @@ class OutputProcessor:
                     stop=p.stop or (), include_stop_str_in_output=p.include_stop_str_in_output)
             want_lp = p.logprobs is not None
             self._completions[req.request_id] = _Completion(req, i, detok, [] if want_lp else None,
-                                                            0.0 if want_lp else None)
+                                                            0.0 if want_lp else None, decoder)
             if stream or detok is not None or want_lp:
                 self.watched.add(req.request_id)
             self._parent_of[req.request_id] = parent_id
@@ -68,7 +72,7 @@ class OutputProcessor:
             return  # siblings share the prompt
         if parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None]
-        parent.prompt_logprobs.extend(self.make_logprobs(*row) for row in rows)
+        parent.prompt_logprobs.extend(self.make_logprobs(*row, tokenizer=parent.tokenizer) for row in rows)
 
     def update(self, req: Request, new_ids: list[int],
                logprobs: tuple[list[int], list[float], int] | None) -> str | None:
@@ -76,7 +80,7 @@ class OutputProcessor:
         A no-op for requests not in `watched`."""
         c = self._completions[req.request_id]
         if c.logprobs is not None and logprobs is not None:
-            c.logprobs.append(self.make_logprobs(*logprobs))
+            c.logprobs.append(self.make_logprobs(*logprobs, tokenizer=c.tokenizer))
             c.cumulative_logprob += logprobs[1][0]
         if c.detok is None:
             return None
@@ -111,14 +115,17 @@ class OutputProcessor:
                 touched[self._parent_of[req.request_id]] = None
         return [self.output(pid) for pid in touched if self.wants_output(pid)]
 
-    def make_logprobs(self, token_ids: list[int], logprobs: list[float], rank: int) -> PositionLogprobs:
-        """First entry is the sampled (or actual) token with its rank; the rest are top-k."""
+    @staticmethod
+    def make_logprobs(token_ids: list[int], logprobs: list[float], rank: int,
+                      tokenizer=None) -> PositionLogprobs:
+        """First entry is the sampled (or actual) token with its rank; the rest are top-k.
+        `tokenizer`: decodes each token's text (None: `decoded_token` stays None)."""
         entry: PositionLogprobs = {}
         for j, (tid, lp) in enumerate(zip(token_ids, logprobs)):
             if tid in entry:
                 continue
             entry[tid] = Logprob(lp, rank if j == 0 else j,
-                                 decode_token(self.tokenizer, tid) if self.tokenizer else None)
+                                 decode_token(tokenizer, tid) if tokenizer is not None else None)
         return entry
 
     def output(self, parent_id: str) -> RequestOutput:

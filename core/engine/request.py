@@ -56,6 +56,8 @@ class Request:
     num_preemptions: int = 0
     bad_words_token_ids: list[list[int]] | None = None
     slot: int | None = None
+    priority: int = 0                    # priority scheduling: lower runs first
+    arrival: int = 0                     # arrival order, stamped by the scheduler (ties of priority)
     _progress: np.ndarray | None = field(default=None, repr=False)   # the scheduler's, while slotted
 
     @property

@@ -4,10 +4,13 @@ One token budget covers prefills and decodes alike (chunked prefill splits a
 long prompt over steps). Running requests go first, in arrival order; when the
 block pool cannot hold the step, the newest running request is preempted (its
 blocks freed, recomputed later; it keeps its slot). Waiting requests are
-admitted while budget, `max_num_seqs` and blocks allow. With prefix caching, a
-waiting request whose prefix continues into blocks another request computes
-this step waits one step and then takes them from the cache, so a shared
-prefix is computed once.
+admitted while budget, `max_num_seqs` and blocks allow. With the "priority"
+policy (vLLM V1's), the waiting queue is kept sorted by (priority, arrival) —
+lower value first — and the running request preempted is the one with the
+largest (priority, arrival); "fcfs" keeps a plain arrival-order queue.
+With prefix caching, a waiting request whose prefix continues into blocks
+another request computes this step waits one step and then takes them from
+the cache, so a shared prefix is computed once.
 
 There is one path. The running requests' progress lives in slot-indexed arrays
 (`SlotArrays`), so a step's token counts, block needs and stop candidates are
@@ -18,6 +21,8 @@ request's output list.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -88,6 +93,10 @@ class StepUpdate:
     finished: list[Request]
 
 
+def _priority_key(req: Request) -> tuple[int, int]:
+    return req.priority, req.arrival
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
@@ -98,6 +107,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.by_priority = config.policy == "priority"
+        self._arrivals = itertools.count()
         self._running_slots: np.ndarray | None = None   # slots of `running`, rebuilt on change
         self._num_finished = 0                  # requests finished so far
         self._num_finished_at_schedule = 0      # ... when the last step was scheduled
@@ -107,7 +118,11 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        req.arrival = next(self._arrivals)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_priority_key)
+        else:
+            self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted; returns it (its slot already freed), or None."""
@@ -197,7 +212,7 @@ class Scheduler:
                 num_needed = int(need[grow].sum())
             if num_needed <= self.kv.pool.num_free_blocks:
                 break
-            self._preempt(self.running.pop(), out)
+            self._preempt(self._victim(), out)
         else:
             return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0
         running = self.running
@@ -262,13 +277,25 @@ class Scheduler:
             self.slots.release(req)
             req.slot = None
 
+    def _victim(self) -> Request:
+        """Take the running request to preempt off `running`: the newest (fcfs), or the
+        one with the largest (priority, arrival)."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running, key=_priority_key)
+        self.running.remove(victim)
+        return victim
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_priority_key)
+        else:
+            self.waiting.appendleft(req)
         self._running_slots = None
         out.preempted_req_ids.add(req.request_id)
 

@@ -55,7 +55,7 @@ class ModelRunner:
         self.num_blocks = 0
         num_slots = config.scheduler.max_num_seqs
         sampling = SamplingState(num_slots, arch.vocab_size, backend.device,
-                                 backend.make_generator(config.model.seed))
+                                 backend.make_generator(config.model.seed), config.model.logprobs_mode)
         self.states = RequestStates(num_slots, max_model_len, self.max_blocks_per_req, self.block_size, sampling)
         # the last step, when it was an unpadded all-decode step: (its slots, host
         # inputs, device inputs, sampled tokens); the next such step on the same slots advances it

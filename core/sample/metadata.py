@@ -55,7 +55,14 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None      # k of this step (full vocab mapped to vocab_size)
     num_logprobs: np.ndarray | None = None   # [R] int32 host, per-row k (-1: none)
 
+    # what the logprobs hold (the engine's `logprobs_mode`): raw_logprobs, raw_logits,
+    # processed_logprobs or processed_logits
+    logprobs_mode: str = "raw_logprobs"
+
     # ---- logits processors ------------------------------------------------
+    # per-request Python callables (SamplingParams.logits_processors), rows that have
+    # some: (batch row, [(fn, takes_prompt)], prompt token ids, output token ids so far)
+    logits_processors: list[tuple[int, list[tuple[Callable, bool]], tuple[int, ...], list[int]]] | None = None
     allowed_token_ids_mask: torch.Tensor | None = None  # [R, V] bool, True = masked
     bad_words_rows: torch.Tensor | None = None          # [P] int64 } (row, token) pairs
     bad_words_ids: torch.Tensor | None = None           # [P] int64 } to set to -inf

@@ -1,13 +1,18 @@
 """The device-neutral sampler: logits [R, V] -> one token per row (+ logprobs).
 
-Order (vLLM V1, with the raw-logprobs mode):
-  1. raw logprobs from the unprocessed logits (if any row wants logprobs);
-  2. logits processors: allowed_token_ids, bad words, logit_bias, min_tokens,
-     then penalties (repetition, frequency, presence);
+Order (vLLM V1):
+  1. raw logprobs (or logits) from the unprocessed logits, if any row wants
+     logprobs and the engine's `logprobs_mode` is "raw_*";
+  2. logits processors: the request's own Python callables (vLLM V0's
+     per-request `logits_processors`), allowed_token_ids, bad words,
+     logit_bias, min_tokens, then penalties (repetition, frequency, presence);
   3. greedy rows: argmax of the processed logits (first index on ties);
   4. random rows: temperature, top-k, top-p, min-p, then argmax(probs / q)
      with q ~ Exp(1), drawn per row from the request's own generator if it
-     has one.
+     has one;
+  5. "processed_*" logprobs mode: the logprobs (or logits) of what was sampled
+     from: after step 2, and for a step with random rows after step 4's
+     filters (greedy rows there have temperature 1 and no filters), as vLLM 0.10.2.
 """
 
 from __future__ import annotations
@@ -35,6 +40,20 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None      # raw logprobs of the sampled token + top-k
 
 
+def apply_request_logits_processors(logits: torch.Tensor, entries) -> torch.Tensor:
+    """The requests' own callables, in place on their rows of `logits` (vLLM V0 semantics:
+    `fn(output_ids, row)` or `fn(prompt_ids, output_ids, row)` returns the new row)."""
+    for row, fns, prompt_ids, output_ids in entries:
+        values = logits[row]
+        for fn, takes_prompt in fns:
+            values = fn(prompt_ids, output_ids, values) if takes_prompt else fn(output_ids, values)
+            if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
+                raise TypeError(f"logits processor {fn!r} must return the logits row, a tensor of shape "
+                                f"{tuple(logits[row].shape)} (got {type(values).__name__})")
+        logits[row] = values
+    return logits
+
+
 def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps that change what greedy picks. Never writes into `logits`.
 
@@ -48,6 +67,8 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
             logits, owned = logits.clone(), True
         return logits
 
+    if meta.logits_processors:
+        apply_request_logits_processors(own(), meta.logits_processors)
     if meta.allowed_token_ids_mask is not None:
         own().masked_fill_(meta.allowed_token_ids_mask, NEG_INF)
     if meta.bad_words_rows is not None:
@@ -62,23 +83,33 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     return logits
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Tokens from processed logits: greedy rows argmax, random rows sampled."""
+def sample(logits: torch.Tensor, meta: SamplingMetadata,
+           return_final: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Tokens from processed logits: greedy rows argmax, random rows sampled.
+
+    `return_final`: also return the logits the tokens were drawn from (after
+    temperature, top-k/top-p and min-p when some row is random), as (tokens, logits).
+    """
     greedy = None
     if not meta.all_random:
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
+            return (greedy, logits) if return_final else greedy
     assert meta.temperature is not None
     logits = logits / meta.temperature.unsqueeze(1)
     logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = torch.softmax(logits, dim=-1)
     if meta.min_p is not None:
-        probs = apply_min_p(probs, meta.min_p)
+        if return_final:
+            below = probs < probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
+            logits = logits.masked_fill(below, NEG_INF)
+            probs.masked_fill_(below, 0.0)
+        else:
+            probs = apply_min_p(probs, meta.min_p)
     sampled = random_sample(probs, meta.generators, meta.default_generator)
-    if greedy is None:
-        return sampled
-    return torch.where(meta.is_greedy, greedy, sampled)
+    if greedy is not None:
+        sampled = torch.where(meta.is_greedy, greedy, sampled)
+    return (sampled, logits) if return_final else sampled
 
 
 class Sampler:
@@ -86,10 +117,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = compute_logprobs(logits) if meta.max_num_logprobs is not None else None
+        if meta.max_num_logprobs is None:
+            return SamplerOutput(sample(apply_logits_processors(logits, meta), meta), None)
+        mode = meta.logprobs_mode
+        if mode == "raw_logprobs":
+            values = compute_logprobs(logits)
+        elif mode == "raw_logits":
+            values = logits   # the processors below never write into it
+        elif mode not in ("processed_logprobs", "processed_logits"):
+            raise ValueError(f"unknown logprobs_mode {mode!r}")
         processed = apply_logits_processors(logits, meta)
-        sampled = sample(processed, meta)
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
-        return SamplerOutput(sampled, logprobs)
+        if mode.startswith("processed"):
+            sampled, final = sample(processed, meta, return_final=True)
+            values = final if mode == "processed_logits" else compute_logprobs(final)
+        else:
+            sampled = sample(processed, meta)
+        return SamplerOutput(sampled, gather_logprobs(values, meta.max_num_logprobs, sampled))

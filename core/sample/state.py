@@ -12,7 +12,9 @@ i is slot `idx_mapping[i]`) and uploads only what that step needs:
   when some row has a penalty;
 - min_tokens and bad-word masks are (row, token) pairs computed on the host
   from the current output lengths / tails;
-- allowed_token_ids lives in a lazily allocated device mask [max_reqs, V].
+- allowed_token_ids lives in a lazily allocated device mask [max_reqs, V];
+- per-request logits processors (Python callables) get each step their row's
+  prompt and output token ids from the runner's token array.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from polyrunner.sample.metadata import HostSamplingRows, SamplingMetadata
-from polyrunner.sampling_params import SamplingParams
+from polyrunner.sampling_params import SamplingParams, logits_processor_takes_prompt
 
 # Per-row host scalars: (attribute, dtype, value of an empty row).
 # top_k stores the vocab size for "off" (filled in __init__).
@@ -47,9 +49,11 @@ _SCALARS: tuple[tuple[str, Any, Any], ...] = (
     ("has_allowed", np.bool_, False),
     ("has_bias", np.bool_, False),
     ("has_bad_words", np.bool_, False),
+    ("has_processors", np.bool_, False),
 )
-# Per-row Python objects.
-_OBJECTS = ("params", "stop_ids", "bias", "bad_words")
+# Per-row Python objects. `processors`: [(fn, takes_prompt)]; `prompt_ids`: the
+# prompt as a tuple, for processors that take it (built on first use).
+_OBJECTS = ("params", "stop_ids", "bias", "bad_words", "processors", "prompt_ids")
 
 
 @dataclass
@@ -61,16 +65,20 @@ class _Static:
     min_tok_pair_rows: np.ndarray | None = None  # (batch row, stop id) candidates for min_tokens
     min_tok_pair_ids: np.ndarray | None = None
     bad_word_rows: list[int] = field(default_factory=list)
+    processor_rows: list[int] = field(default_factory=list)
 
 
 class SamplingState:
     """Sampling parameters of the running requests, one row each."""
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
-                 default_generator: torch.Generator | None = None) -> None:
+                 default_generator: torch.Generator | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         """`default_generator`: the engine's own stream for random rows without a
-        seed, so engine-seeded runs do not depend on torch's global RNG."""
+        seed, so engine-seeded runs do not depend on torch's global RNG.
+        `logprobs_mode`: the engine's (see `SamplingMetadata.logprobs_mode`)."""
         self.default_generator = default_generator
+        self.logprobs_mode = logprobs_mode
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -115,9 +123,10 @@ class SamplingState:
         self.occupied[row] = True
         self.greedy[row] = greedy
         self.temperature[row] = 1.0 if greedy else params.temperature
-        self.top_k[row] = params.top_k if 0 < params.top_k < vocab else vocab
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
+        if not greedy:   # a greedy row keeps no filter (vLLM resets them), so its processed logprobs have none
+            self.top_k[row] = params.top_k if 0 < params.top_k < vocab else vocab
+            self.top_p[row] = params.top_p
+            self.min_p[row] = params.min_p
         self.presence[row] = params.presence_penalty
         self.frequency[row] = params.frequency_penalty
         self.repetition[row] = params.repetition_penalty
@@ -138,6 +147,9 @@ class SamplingState:
         if bad_words_ids:
             self.bad_words[row] = [np.asarray(seq, dtype=np.int64) for seq in bad_words_ids]
             self.has_bad_words[row] = True
+        if params.logits_processors:
+            self.processors[row] = [(fn, logits_processor_takes_prompt(fn)) for fn in params.logits_processors]
+            self.has_processors[row] = True
         if params.allowed_token_ids is not None:
             mask = self._allowed()
             mask[row] = True
@@ -211,7 +223,7 @@ class SamplingState:
         meta = SamplingMetadata(num_reqs=n, generators=gens, default_generator=self.default_generator,
                                 host_rows=functools.partial(self._host_rows, slots, num_prompt_tokens,
                                                             num_tokens),
-                                **static.kwargs)
+                                logprobs_mode=self.logprobs_mode, **static.kwargs)
 
         if static.penalty_rows is not None:
             self._penalty_counts(meta, static.penalty_rows, token_ids, num_prompt_tokens, num_tokens)
@@ -223,6 +235,9 @@ class SamplingState:
             if sel.any():
                 meta.min_tokens_rows = self._upload(rows[sel])
                 meta.min_tokens_ids = self._upload(static.min_tok_pair_ids[sel])
+        if static.processor_rows:
+            self._processor_rows(meta, static.processor_rows, slots, token_ids, num_prompt_tokens,
+                                 num_tokens, discard)
         if static.bad_word_rows:
             self._bad_word_pairs(meta, static.bad_word_rows, slots, token_ids, num_prompt_tokens,
                                  num_tokens)
@@ -283,6 +298,7 @@ class SamplingState:
                                                  [len(self.stop_ids[slots[i]]) for i in mt_rows])
             static.min_tok_pair_ids = np.concatenate([self.stop_ids[slots[i]] for i in mt_rows])
         static.bad_word_rows = np.flatnonzero(self.has_bad_words[slots]).tolist()
+        static.processor_rows = np.flatnonzero(self.has_processors[slots]).tolist()
         return static
 
     def _penalty_counts(self, meta: SamplingMetadata, rows: np.ndarray, token_ids: np.ndarray,
@@ -307,6 +323,24 @@ class SamplingState:
                             torch.ones(ids.shape, dtype=torch.int32, device=ids.device))
         meta.prompt_token_mask = prompt_mask[:, :vocab]
         meta.output_token_counts = counts[:, :vocab]
+
+    def _processor_rows(self, meta: SamplingMetadata, rows: list[int], slots: np.ndarray,
+                        token_ids: np.ndarray, num_prompt_tokens: np.ndarray, num_tokens: np.ndarray,
+                        discard: np.ndarray | None) -> None:
+        """The rows whose request has logits processors, with its prompt and output ids
+        (rows whose sample is discarded, partial prefills, call nothing)."""
+        entries = []
+        for i in rows:
+            if discard is not None and discard[i]:
+                continue
+            s = int(slots[i])
+            n_prompt, n_tok = int(num_prompt_tokens[s]), int(num_tokens[s])
+            prompt = self.prompt_ids[s]
+            if prompt is None:
+                prompt = self.prompt_ids[s] = tuple(token_ids[s, :n_prompt].tolist())
+            entries.append((i, self.processors[s], prompt, token_ids[s, n_prompt:n_tok].tolist()))
+        if entries:
+            meta.logits_processors = entries
 
     def _bad_word_pairs(self, meta: SamplingMetadata, rows: list[int], slots: np.ndarray,
                         token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
