@@ -8,7 +8,7 @@
 from polyrunner.outputs import CompletionOutput, Logprob, RequestOutput
 from polyrunner.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 
@@ -17,6 +17,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from polyrunner.llm import LLM
         return LLM
+    if name == "AsyncLLM":
+        from polyrunner.engine.async_llm import AsyncLLM
+        return AsyncLLM
     if name == "LLMEngine":
         from polyrunner.engine.llm_engine import LLMEngine
         return LLMEngine

@@ -1,4 +1,4 @@
-"""`polyrunner` command line: generate, chat, backends (and plugin-added commands)."""
+"""`polyrunner` command line: generate, chat, backends, serve (and plugin-added commands)."""
 
 from __future__ import annotations
 
@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Sub-commands living in their own modules (conformance, bench) when present."""
+    """Sub-commands living in their own modules (conformance, bench, serve) when present."""
     import importlib
-    for mod in ("polyrunner.tools.conformance.cli", "polyrunner.tools.bench.cli"):
+    for mod in ("polyrunner.tools.conformance.cli", "polyrunner.tools.bench.cli", "polyrunner.tools.serve.cli"):
         try:
             yield importlib.import_module(mod).add_parser
         except ImportError:

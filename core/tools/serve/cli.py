@@ -1,0 +1,66 @@
+"""`polyrunner serve`: the OpenAI-compatible HTTP server.
+
+    polyrunner serve                                   # embedded model on http://127.0.0.1:8000
+    polyrunner serve --model ./my-llama --port 9000 --api-key secret --max-waiting 256
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics, /tokenize, /detokenize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    from polyrunner.tools.cli import _engine_args
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("POLYRUNNER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $POLYRUNNER_API_KEY; none: open)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model's file or folder name)")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 503 + Retry-After while this many requests wait (default: no cap)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None, help="413 above this (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        from polyrunner.models.default_model import DEFAULT_MODEL_FILE
+        return DEFAULT_MODEL_FILE.split(".")[0]
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name or str(model)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from polyrunner.engine.async_llm import AsyncLLM
+    from polyrunner.tools.serve.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+    from polyrunner.tools.serve.launcher import make_server, run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    async_llm = AsyncLLM(model=args.model, backend=args.backend, dtype=args.dtype,
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
+                         seed=args.seed)
+    names = args.served_model_name or [default_model_name(args.model)]
+    app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
+                    max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    shutdown_timeout=args.shutdown_timeout)
+    server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+                         log_level=args.log_level)
+    try:
+        return run_server(server)
+    finally:
+        async_llm.shutdown(0)

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (vLLM's metric names, `polyrunner:` prefix).
+
+Gauges are read from the engine when scraped; counters and histograms are fed
+by the AsyncLLM's per-step stats (in the engine thread; prometheus-client is
+thread-safe). Each app owns its `CollectorRegistry`, so several servers can
+live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from polyrunner.engine.async_llm import AsyncLLM, StepStats
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+
+class ServerMetrics:
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        reg, labels, name = self.registry, ["model_name"], model_name
+        eng = async_llm.engine
+
+        def gauge(metric: str, doc: str, fn) -> None:
+            Gauge(metric, doc, labels, registry=reg).labels(name).set_function(fn)
+
+        def kv_usage() -> float:
+            pool = eng.kv.pool
+            return 1.0 - pool.num_free_blocks / max(pool.num_usable_blocks, 1)
+
+        gauge("polyrunner:num_requests_running", "Number of requests in the running batch.",
+              lambda: async_llm.num_running)
+        gauge("polyrunner:num_requests_waiting", "Number of requests waiting to be scheduled.",
+              lambda: async_llm.num_waiting)
+        gauge("polyrunner:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv_usage)
+        gauge("polyrunner:engine_healthy", "1 while the engine loop runs, 0 once it died.",
+              lambda: 1.0 if async_llm.is_healthy else 0.0)
+
+        def counter(metric: str, doc: str):
+            return Counter(metric, doc, labels, registry=reg).labels(name)
+
+        self.prompt_tokens = counter("polyrunner:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("polyrunner:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("polyrunner:num_preemptions", "Cumulative number of preemptions.")
+        self._success = Counter("polyrunner:request_success", "Count of finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=reg)
+        self._name = name
+
+        def histogram(metric: str, doc: str, buckets):
+            return Histogram(metric, doc, labels, buckets=buckets, registry=reg).labels(name)
+
+        self.ttft = histogram("polyrunner:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+        self.itl = histogram("polyrunner:inter_token_latency_seconds", "Inter-token latency (s).", ITL_BUCKETS)
+        self.e2e = histogram("polyrunner:e2e_request_latency_seconds", "End-to-end request latency (s).",
+                             E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("polyrunner:request_prompt_tokens",
+                                               "Number of prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("polyrunner:request_generation_tokens",
+                                                   "Number of generation tokens per finished request.",
+                                                   TOKEN_BUCKETS)
+
+    def on_step(self, stats: StepStats) -> None:
+        """AsyncLLM stats listener (engine thread)."""
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions)
+        for v in stats.time_to_first_token:
+            self.ttft.observe(v)
+        for v in stats.inter_token_latency:
+            self.itl.observe(v)
+        for t in stats.finished:
+            self._success.labels(self._name, t.finish_reason or "unknown").inc()
+            if t.finish_reason == "abort":   # latencies and sizes of completed requests only
+                continue
+            if t.e2e_latency is not None:
+                self.e2e.observe(t.e2e_latency)
+            self.request_prompt_tokens.observe(t.num_prompt_tokens)
+            self.request_generation_tokens.observe(t.num_generation_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,398 @@
+"""Request and response bodies of the OpenAI-compatible API (OpenAI's field names,
+plus vLLM's sampling extras), and their mapping onto `SamplingParams`.
+
+Requests are strict: a wrong JSON type is an error (no "5" for 5), and a field
+the API does not know is refused the way OpenAI refuses it ("Unrecognized
+request argument supplied: ...").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from polyrunner.sampling_params import SamplingParams, SamplingParamsError
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def _opt(default: Any = None, **kw: Any) -> Any:
+    """A response field left out of the JSON while it is None (vLLM's extras)."""
+    return Field(default, exclude_if=lambda v: v is None, **kw)
+
+
+# ---------------------------------------------------------------------- requests
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False               # token ids in the response (vLLM)
+    return_tokens_as_token_ids: bool = False     # logprob tokens as "token_id:N" (vLLM)
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        values: dict[str, Any] = dict(
+            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    bias[int(key)] = value
+                except ValueError:
+                    raise RequestError(f"logit_bias keys must be token ids (got {key!r})", "logit_bias") from None
+            values["logit_bias"] = bias
+        try:
+            return SamplingParams(**values)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), _sampling_param(exc, self)) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise RequestError("prompt must not be empty", "prompt")
+        return prompts
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix is not None:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of is not supported (it must be absent or equal n)", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo together with logprobs is not supported", "echo")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            msg["content"] = "".join(part.text for part in self.content)
+        msg.setdefault("content", "")
+        return msg
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def sampling_params(self, room: int) -> SamplingParams:
+        """`room`: tokens left in max_model_len after the prompt (the default max_tokens)."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise RequestError(f"top_logprobs must be in [0, 20] (got {self.top_logprobs})", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        try:
+            return self._sampling(max_tokens if max_tokens is not None else max(room, 1), logprobs)
+        except RequestError as exc:
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                exc.param = "max_completion_tokens"
+            raise
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = _opt()
+    token_ids: list[int] | None = _opt()
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogProbs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = _opt()
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = _opt()
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = _opt()
+    content: str | None = _opt()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = _opt()
+    token_ids: list[int] | None = _opt()
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "polyrunner"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = _opt()
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# -------------------------------------------------------------------- errors
+
+
+class RequestError(ValueError):
+    """An invalid request: answered with `status` and OpenAI's error JSON."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.type = type
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union member tags left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and not _is_type_tag(part):
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _is_type_tag(part: str) -> bool:
+    return ("[" in part or part in {"str", "int", "float", "bool", "none", "list", "dict", "dict[str,any]"}
+            or part.startswith(("function-", "literal[", "nullable[", "model-")) or part[:1].isupper())
+
+
+def validation_error(exc: ValidationError) -> RequestError:
+    """A pydantic error of a request body -> one 400 naming the field(s)."""
+    errors = exc.errors(include_url=False)
+    if any(e["type"] == "json_invalid" for e in errors):
+        return RequestError("We could not parse the JSON body of your request. The API expects a JSON "
+                            f"payload ({errors[0]['msg']}).", None, code="invalid_json")
+    if any(e["type"] == "model_type" and not e["loc"] for e in errors):
+        return RequestError("The request body must be a JSON object.", None)
+    seen: dict[str, list[str]] = {}
+    for e in errors:
+        param = _loc_to_param(e["loc"])
+        if e["type"] == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {param}"
+        elif e["type"] == "missing":
+            msg = f"Missing required parameter: '{param}'."
+        else:
+            got = e.get("input")
+            msg = f"Invalid value for '{param}': {e['msg']} (got {got!r})" if "input" in e else e["msg"]
+        seen.setdefault(param or "", []).append(msg)
+    first = next(iter(seen))
+    # a union reports one error per member: show the first one only
+    message = "; ".join(msgs[0] for msgs in seen.values())
+    return RequestError(message, first or None)
+
+
+def _sampling_param(exc: SamplingParamsError, req: _SamplingRequest) -> str | None:
+    """Which request field a SamplingParams error is about."""
+    for err in exc.errors:
+        loc = err.get("loc") or ()
+        if loc:
+            return str(loc[0])
+        msg = str(err.get("ctx", {}).get("error", err.get("msg", "")))
+        name = msg.split(" ", 1)[0]
+        if name in SamplingParams.model_fields:
+            return name
+    text = str(exc).removeprefix("invalid SamplingParams: ")
+    name = text.split(" ", 1)[0]
+    return name if name in SamplingParams.model_fields else None
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
