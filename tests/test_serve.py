@@ -382,6 +382,8 @@ def test_bad_requests_get_4xx_while_a_stream_carries_on(srv, allm):
     _error(post({**ok, "top_p": 0}), 400, "top_p")
     _error(post({**ok, "stop_token_ids": [10**7]}), 400, "stop_token_ids", "vocabulary")   # the engine's check
     _error(post({**ok, "prompt": [10**7, 1]}), 400, "prompt", "vocabulary")
+    _error(post({**ok, "logprobs": 100}), 400, "logprobs", "20")            # the engine's max_logprobs
+    _error(post({**ok, "n": 1000}), 400, "n")                               # the engine's cap on n
     _error(post([1, 2]), 400, None, "object")
     chat = "/v1/chat/completions"
     _error(post({"model": MODEL, "messages": []}, chat), 400, "messages")

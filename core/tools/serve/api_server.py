@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -355,13 +356,13 @@ def _engine_error(exc: BaseException) -> BaseException:
 
 
 def _param_of(message: str) -> str | None:
-    """Which request field an engine message is about (best effort)."""
-    head = message.removeprefix("invalid SamplingParams: ").split(" ", 1)[0].rstrip(":;,")
-    if head in SamplingParams.model_fields:
-        return head
-    if head.startswith("prompt") or "prompt" in message.split(";", 1)[0]:
-        return "prompt"
-    return None
+    """Which request field an engine message is about (best effort): the first
+    SamplingParams field named in its first clause, else the prompt if named."""
+    words = re.findall(r"[a-z_]+", message.removeprefix("invalid SamplingParams: ").split(";", 1)[0])
+    for word in words:
+        if word in SamplingParams.model_fields:
+            return word
+    return "prompt" if any(w.startswith("prompt") for w in words) else None
 
 
 def _sse(call: _Call, chunks: AsyncIterator[str]) -> StreamingResponse:
