@@ -40,4 +40,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
-    error: str | None = None                  # set when the request was rejected
+    error: str | None = None                  # set when the request was rejected or failed

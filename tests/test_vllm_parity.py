@@ -548,3 +548,27 @@ def test_beam_search_limits(llm):
     assert [(len(s.tokens), s.finish_reason) for s in out[0].sequences] == [(64, "length")] * 2
     assert all(len(s.tokens) == len(P1["prompt_token_ids"]) + 8 for s in out[1].sequences)
     assert _idle(llm)
+
+
+def test_a_failing_logits_processor_fails_its_request_only(llm):
+    """User code that raises (or returns a wrong shape) ends its own request with
+    finish_reason "error" and the error text; the batch's other requests go on,
+    and every block and slot is freed."""
+    def boom(output_ids, row):
+        if len(output_ids) == 2:
+            raise RuntimeError("user bug")
+        return row
+
+    plain = llm.generate([P1, P2], GREEDY, use_tqdm=False)
+    bad = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logits_processors=[boom])
+    wrong = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                           logits_processors=[lambda out, row: row[:3]])
+    outs = llm.generate([P1, P2, P1], [bad, GREEDY, wrong], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "RuntimeError: user bug" in outs[0].error
+    assert outs[0].outputs[0].token_ids == plain[0].outputs[0].token_ids[:2]
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    assert outs[2].outputs[0].finish_reason == "error" and "must return the logits row" in outs[2].error
+    assert outs[2].outputs[0].token_ids == []
+    eng = llm.engine
+    assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_usable_blocks
+    assert eng.runner.states.num_active == 0 and not eng.scheduler.requests

@@ -210,8 +210,9 @@ class LLMEngine:
         if so.is_empty:
             return []
         result = self.runner.execute(so)
+        failed = [self._fail(so.requests[row], error) for row, error in result.errors.items()]
         update = self.scheduler.update(so, result.tokens)
-        finished = update.finished
+        finished = update.finished + failed
         for rid, rows in result.prompt_logprobs.items():
             self.outputs.add_prompt_logprobs(rid, rows)
         for req, stop in self.outputs.process(update.advanced, result.logprobs):
@@ -220,4 +221,11 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)   # wins over length / EOS
         if finished:
             self.runner.remove_requests([req.slot for req in finished])
-        return self.outputs.outputs_for(update.advanced, finished)
+        return self.outputs.outputs_for(update.advanced + failed if failed else update.advanced, finished)
+
+    def _fail(self, req: Request, error: str) -> Request:
+        """End a request whose own code failed this step; the others go on."""
+        logger.warning("request %s failed: %s", req.request_id, error)
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        req.error = error
+        return req

@@ -149,8 +149,10 @@ class OutputProcessor:
                 cumulative_logprob=c.cumulative_logprob))
         done = all(o.finished for o in outs)
         first = self._completions[parent.children[0]].request
+        errors = [self._completions[c].request.error for c in parent.children]
         out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                            parent.prompt_logprobs, done, first.num_cached_tokens)
+                            parent.prompt_logprobs, done, first.num_cached_tokens,
+                            error=next((e for e in errors if e), None))
         if done:
             self.drop(parent_id)
         return out

@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"     # its own code failed (e.g. a logits processor raised)
 
     @property
     def finished(self) -> bool:
@@ -32,7 +33,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED})
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(eq=False)
@@ -53,6 +54,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finished: bool = False               # mirrors status.finished, cheap to test per step
     stop_reason: int | str | None = None
+    error: str | None = None             # why it ended with FINISHED_ERROR
     num_preemptions: int = 0
     bad_words_token_ids: list[list[int]] | None = None
     slot: int | None = None

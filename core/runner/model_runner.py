@@ -36,6 +36,7 @@ class ModelRunnerOutput:
     tokens: np.ndarray                                   # [R] int64; rows that ran a partial prefill: ignore
     logprobs: dict[str, LogprobRow] = field(default_factory=dict)               # req_id -> sampled token's
     prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # req_id -> this step's chunk
+    errors: dict[int, str] = field(default_factory=dict)  # batch row -> why its request failed (own code)
 
 
 class ModelRunner:
@@ -140,7 +141,7 @@ class ModelRunner:
         tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64, copy=False)
         keep = np.flatnonzero(~step.discard) if step.discard.any() else None
         states.append(so.slots if keep is None else so.slots[keep], tokens if keep is None else tokens[keep])
-        result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps)
+        result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=meta.failed_rows)
         if out.logprobs is not None:
             lists = out.logprobs.tolists()
             rows = np.flatnonzero((meta.num_logprobs >= 0) & ~step.discard)

@@ -63,6 +63,9 @@ class SamplingMetadata:
     # per-request Python callables (SamplingParams.logits_processors), rows that have
     # some: (batch row, [(fn, takes_prompt)], prompt token ids, output token ids so far)
     logits_processors: list[tuple[int, list[tuple[Callable, bool]], tuple[int, ...], list[int]]] | None = None
+    # filled by the sampler: batch row -> error, rows whose own logits processor
+    # raised (their row is sampled unprocessed; the engine fails those requests alone)
+    failed_rows: dict[int, str] = field(default_factory=dict)
     allowed_token_ids_mask: torch.Tensor | None = None  # [R, V] bool, True = masked
     bad_words_rows: torch.Tensor | None = None          # [P] int64 } (row, token) pairs
     bad_words_ids: torch.Tensor | None = None           # [P] int64 } to set to -inf

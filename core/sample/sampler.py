@@ -40,16 +40,25 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None      # raw logprobs of the sampled token + top-k
 
 
-def apply_request_logits_processors(logits: torch.Tensor, entries) -> torch.Tensor:
+def apply_request_logits_processors(logits: torch.Tensor, entries,
+                                    failed: dict[int, str] | None = None) -> torch.Tensor:
     """The requests' own callables, in place on their rows of `logits` (vLLM V0 semantics:
-    `fn(output_ids, row)` or `fn(prompt_ids, output_ids, row)` returns the new row)."""
+    `fn(output_ids, row)` or `fn(prompt_ids, output_ids, row)` returns the new row).
+    A callable that raises or returns something else leaves its row unprocessed and
+    is reported in `failed` (row -> message); without `failed` it raises."""
     for row, fns, prompt_ids, output_ids in entries:
         values = logits[row]
-        for fn, takes_prompt in fns:
-            values = fn(prompt_ids, output_ids, values) if takes_prompt else fn(output_ids, values)
-            if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
-                raise TypeError(f"logits processor {fn!r} must return the logits row, a tensor of shape "
-                                f"{tuple(logits[row].shape)} (got {type(values).__name__})")
+        try:
+            for fn, takes_prompt in fns:
+                values = fn(prompt_ids, output_ids, values) if takes_prompt else fn(output_ids, values)
+                if not isinstance(values, torch.Tensor) or values.shape != logits[row].shape:
+                    raise TypeError(f"logits processor {fn!r} must return the logits row, a tensor of shape "
+                                    f"{tuple(logits[row].shape)} (got {type(values).__name__})")
+        except Exception as exc:  # noqa: BLE001 - user code: fail its request, not the step
+            if failed is None:
+                raise
+            failed[row] = f"logits processor failed: {type(exc).__name__}: {exc}"
+            continue
         logits[row] = values
     return logits
 
@@ -68,7 +77,7 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         return logits
 
     if meta.logits_processors:
-        apply_request_logits_processors(own(), meta.logits_processors)
+        apply_request_logits_processors(own(), meta.logits_processors, meta.failed_rows)
     if meta.allowed_token_ids_mask is not None:
         own().masked_fill_(meta.allowed_token_ids_mask, NEG_INF)
     if meta.bad_words_rows is not None:
