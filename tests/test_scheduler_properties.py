@@ -33,18 +33,18 @@ request_spec = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(request_spec, min_size=1, max_size=24),
        budget=st.integers(8, 96), max_seqs=st.integers(1, 8), num_blocks=st.integers(9, 40),
        block_size=st.sampled_from([4, 8, 16]), chunked=st.booleans(), prefix=st.booleans(),
-       seed=st.integers(0, 1000))
-def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, seed):
+       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000))
+def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, policy, seed):
     if not chunked:
         budget = max(budget, MAX_MODEL_LEN)
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, block_size, prefix)
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                      enable_chunked_prefill=chunked), kv, MAX_MODEL_LEN)
+                                      enable_chunked_prefill=chunked, policy=policy), kv, MAX_MODEL_LEN)
     families = [[rng.randrange(3, 500) for _ in range(100)] for _ in range(4)]
     reqs = []
     for i, (plen, max_tokens, arrival, abort_at, fam) in enumerate(specs):
@@ -54,8 +54,11 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
         if plen < 1:
             continue
         prompt = families[fam][:plen]
-        reqs.append((arrival, abort_at, Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                                min(max_tokens, MAX_MODEL_LEN - plen))))
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                      min(max_tokens, MAX_MODEL_LEN - plen))
+        if policy == "priority":   # later arrivals may outrank preempted requests that hold slots
+            req.priority = rng.randrange(-3, 3)
+        reqs.append((arrival, abort_at, req))
     first_slot = {}
     for _ in drive(sched, reqs):
         out = sched.schedule()
@@ -64,6 +67,7 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
         assert len(sched.running) <= max_seqs
         slotted = [r for r in list(sched.running) + list(sched.waiting) if r.slot is not None]
         assert len({r.slot for r in slotted}) == len(slotted) and all(0 <= r.slot < max_seqs for r in slotted)
+        assert sched.slots.num_free == max_seqs - len(slotted)
         n = out.num_scheduled
         assert not (n[1:] == 1)[n[:-1] > 1].any(), "a decode row after a prefill row"
         for req, num, computed, slot in zip(out.requests, n.tolist(), out.num_computed.tolist(), out.slots.tolist()):

@@ -237,6 +237,12 @@ class Scheduler:
             if out.preempted_req_ids:
                 break  # memory is short this step; admit nobody new
             req = self.waiting[0]
+            if req.slot is None and not self.slots.num_free:
+                # every slot is held, some by preempted requests (priority order can put a
+                # newcomer ahead of them): resume one of those first
+                req = next((r for r in self.waiting if r.slot is not None), None)
+                if req is None:
+                    break
             resumed = req.slot is not None
             if not resumed:
                 self.slots.assign(req)
@@ -254,7 +260,10 @@ class Scheduler:
             if self.kv.allocate(req, n) is None:
                 self._undo_admission(req, resumed)
                 break
-            self.waiting.popleft()
+            if req is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._running_slots = None
