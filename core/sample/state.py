@@ -216,9 +216,12 @@ class SamplingState:
 
         gens: dict[int, torch.Generator] = {}
         if self.generators and not static.kwargs["all_greedy"]:
-            for i, slot in enumerate(slots.tolist()):
-                g = self.generators.get(slot)
-                if g is not None and not self.greedy[slot] and (discard is None or not discard[i]):
+            # loop over the (few) seeded requests, not over the batch
+            row_of = np.full(self.max_num_reqs, -1, np.int64)
+            row_of[slots] = np.arange(n)
+            for slot, g in self.generators.items():
+                i = int(row_of[slot])
+                if i >= 0 and not self.greedy[slot] and (discard is None or not discard[i]):
                     gens[i] = g
         meta = SamplingMetadata(num_reqs=n, generators=gens, default_generator=self.default_generator,
                                 host_rows=functools.partial(self._host_rows, slots, num_prompt_tokens,
