@@ -1,16 +1,19 @@
-"""Beam search results and scoring, in vLLM's shape (`vllm/beam_search.py`).
+"""Beam search in vLLM's shape (`vllm/beam_search.py`, `LLM.beam_search`).
 
-`LLM.beam_search` drives the search on top of `generate`: every step asks for
-one token with `2 * beam_width` logprobs per live beam, extends each beam by
+`beam_search` drives the search on top of a `generate` function: every step asks
+for one token with `2 * beam_width` logprobs per live beam, extends each beam by
 each candidate, and keeps the `beam_width` best by length-penalised score.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
-from polyrunner.outputs import Logprob
+from tqdm.auto import tqdm
+
+from polyrunner.outputs import Logprob, RequestOutput
+from polyrunner.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -55,3 +58,57 @@ def create_sort_beams_key_function(eos_token_id: int | None,
     def sort_beams_key(beam: BeamSearchSequence) -> float:
         return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
     return sort_beams_key
+
+
+def beam_search(generate: Callable[[list[Any], SamplingParams, bool], list[RequestOutput]],
+                prompts: list[Any], params: BeamSearchParams, eos: int | None, max_model_len: int,
+                tokenizer: Any, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """`generate(prompts, params, first)` runs one step for the given prompts (`first`:
+    every prompt invalid raises). A candidate that is EOS (unless `ignore_eos`)
+    completes its beam; a beam at `max_model_len` is complete ("length"). `tokens`
+    include the prompt and `text` decodes them all, as vLLM's."""
+    width, ignore_eos, limit = params.beam_width, params.ignore_eos, max_model_len
+    sort_key = create_sort_beams_key_function(eos, params.length_penalty)
+    step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
+    # the first step runs the prompts as given (every one invalid: ValueError, as generate)
+    results = generate(prompts, step_params, True)
+    instances = [BeamSearchInstance(out.prompt_token_ids) for out in results]
+    beams = [(inst, inst.beams[0]) for inst in instances]
+    steps = range(params.max_tokens)
+    if use_tqdm:
+        steps = tqdm(steps, desc="Beam search", unit="token")
+    for step in steps:
+        if step > 0:
+            for inst in instances:   # a beam at max_model_len cannot grow: it is complete
+                full = [beam for beam in inst.beams if len(beam.tokens) >= limit]
+                if full:
+                    for beam in full:
+                        beam.finish_reason = "length"
+                    inst.completed += full
+                    inst.beams = [beam for beam in inst.beams if len(beam.tokens) < limit]
+            beams = [(inst, beam) for inst in instances for beam in inst.beams]
+            if not beams:
+                break
+            results = generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, False)
+        fresh: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
+        for (inst, beam), result in zip(beams, results):
+            candidates = result.outputs[0].logprobs
+            if not candidates:   # its prompt was rejected
+                continue
+            position = candidates[0]
+            for token, lp in position.items():
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [position],
+                                         beam.cum_logprob + lp.logprob)
+                if token == eos and not ignore_eos:
+                    inst.completed.append(new)
+                else:
+                    fresh[id(inst)].append(new)
+        for inst in instances:
+            inst.beams = sorted(fresh[id(inst)], key=sort_key, reverse=True)[:width]
+    outputs = []
+    for inst in instances:
+        best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
+        for beam in best:
+            beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=False) if tokenizer is not None else None
+        outputs.append(BeamSearchOutput(best))
+    return outputs

@@ -7,12 +7,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from polyrunner.beam_search import (
-    BeamSearchInstance,
-    BeamSearchOutput,
-    BeamSearchSequence,
-    create_sort_beams_key_function,
-)
+from polyrunner.beam_search import BeamSearchOutput, beam_search
 from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.outputs import RequestOutput
@@ -131,64 +126,17 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's offline beam search, on top of `generate`: each step asks every live
-        beam for one token with `2 * beam_width` logprobs (as HF transformers), extends
-        it by each candidate (a candidate that is EOS, unless `ignore_eos`, completes
-        its beam), and keeps the `beam_width` best by `cum_logprob / len **
-        length_penalty` (the length counts the prompt). Returns per prompt the
-        `beam_width` best sequences, best first; `tokens` include the prompt and
-        `text` decodes them all, as vLLM's. A beam that reaches max_model_len is
-        complete (finish_reason "length"); an invalid prompt gets no sequences (all
-        prompts invalid: ValueError)."""
+        """vLLM's offline beam search on top of `generate` (see `polyrunner.beam_search`).
+        Returns per prompt the `beam_width` best sequences, best first; an invalid
+        prompt gets no sequences (all prompts invalid: ValueError)."""
         tokenizer = self.get_tokenizer()
         eos = tokenizer.eos_token_id if tokenizer is not None else next(iter(self.engine.arch.eos_token_ids), None)
-        width, ignore_eos, limit = params.beam_width, params.ignore_eos, self.engine.max_model_len
-        sort_key = create_sort_beams_key_function(eos, params.length_penalty)
-        step_params = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
+
+        def generate(prompt_list: list[Prompt], step_params: SamplingParams, first: bool) -> list[RequestOutput]:
+            return self._generate(prompt_list, step_params, False, None, raise_all_invalid=first)
+
         prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-        # the first step runs the prompts as given (every one invalid: ValueError, as generate)
-        results = self._generate(prompt_list, step_params, False, None, raise_all_invalid=True)
-        instances = [BeamSearchInstance(out.prompt_token_ids) for out in results]
-        beams = [(inst, inst.beams[0]) for inst in instances]
-        steps = range(params.max_tokens)
-        if use_tqdm:
-            steps = tqdm(steps, desc="Beam search", unit="token")
-        for step in steps:
-            if step > 0:
-                for inst in instances:   # a beam at max_model_len cannot grow: it is complete
-                    full = [beam for beam in inst.beams if len(beam.tokens) >= limit]
-                    if full:
-                        for beam in full:
-                            beam.finish_reason = "length"
-                        inst.completed += full
-                        inst.beams = [beam for beam in inst.beams if len(beam.tokens) < limit]
-                beams = [(inst, beam) for inst in instances for beam in inst.beams]
-                if not beams:
-                    break
-                results = self._generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params,
-                                         False, None, raise_all_invalid=False)
-            fresh: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
-            for (inst, beam), result in zip(beams, results):
-                candidates = result.outputs[0].logprobs
-                if not candidates:   # its prompt was rejected
-                    continue
-                position = candidates[0]
-                for token, lp in position.items():
-                    new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [position],
-                                             beam.cum_logprob + lp.logprob)
-                    if token == eos and not ignore_eos:
-                        inst.completed.append(new)
-                    else:
-                        fresh[id(inst)].append(new)
-            for inst in instances:
-                inst.beams = sorted(fresh[id(inst)], key=sort_key, reverse=True)[:width]
-        outputs = []
-        for inst in instances:
-            best = sorted(inst.completed + inst.beams, key=sort_key, reverse=True)[:width]
-            for beam in best:
-                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=False) if tokenizer is not None else None
-            outputs.append(BeamSearchOutput(best))
-        return outputs
+        return beam_search(generate, prompt_list, params, eos, self.engine.max_model_len, tokenizer, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
