@@ -75,13 +75,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero (in place) every prob below min_p * max prob of its row.
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """True where a prob is below min_p * the max prob of its row. The probabilities
+    need not be normalised: the test is a ratio to the max."""
+    return probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
 
-    The probabilities need not be normalised: the test is a ratio to the max.
-    """
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs.masked_fill_(probs < threshold, 0.0)
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero (in place) every prob below min_p * max prob of its row."""
+    return probs.masked_fill_(min_p_mask(probs, min_p), 0.0)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],

@@ -26,10 +26,10 @@ from polyrunner.sample.metadata import SamplingMetadata
 from polyrunner.sample.ops import (
     NEG_INF,
     add_logit_bias,
-    apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
     mask_pairs,
+    min_p_mask,
     random_sample,
 )
 
@@ -109,12 +109,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
     probs = torch.softmax(logits, dim=-1)
     if meta.min_p is not None:
+        below = min_p_mask(probs, meta.min_p)
+        probs.masked_fill_(below, 0.0)
         if return_final:
-            below = probs < probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
             logits = logits.masked_fill(below, NEG_INF)
-            probs.masked_fill_(below, 0.0)
-        else:
-            probs = apply_min_p(probs, meta.min_p)
     sampled = random_sample(probs, meta.generators, meta.default_generator)
     if greedy is not None:
         sampled = torch.where(meta.is_greedy, greedy, sampled)
