@@ -1,0 +1,129 @@
+"""The Triton paged-attention and KV-write kernels against the reference op.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1,
+set here before the kernels are defined) on CPU tensors; with one they run
+compiled on it. Tiny shapes: the interpreter runs every program in numpy.
+Skipped, with the reason, where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install triton, or the dev extra)", allow_module_level=True)
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition
+
+from polyrunner.attention.metadata import LayerSpec  # noqa: E402
+from polyrunner.attention.reference import reference_paged_attention, write_kv  # noqa: E402
+from polyrunner.backends.cuda.triton_attention import triton_paged_attention, unified_attention  # noqa: E402
+from polyrunner.backends.cuda.triton_kv_write import triton_write_kv  # noqa: E402
+from test_cuda_backend import make_batch, poison_unused_slots  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and the kernels were defined before TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def random_mixed_batch(rng, block_size, pad=(3, 2)):
+    """Decodes first, then fresh and cached-context prefills, lengths across block edges."""
+    edge = [block_size - 1, block_size, block_size + 1, 2 * block_size + 3]
+    decodes = [(int(c), 1) for c in rng.choice(edge + [0, 5], size=3)]
+    prefills = [(0, int(rng.integers(2, 20))), (int(rng.choice(edge)), int(rng.integers(2, 12))),
+                (int(rng.integers(1, 40)), block_size + 1)]
+    return decodes + prefills, pad
+
+
+def run_case(reqs, *, heads, kv_heads, window, block_size, dtype, seed, pad=(3, 2), head=16,
+             segments=None):
+    spec = LayerSpec(heads, kv_heads, head, head ** -0.5, window)
+    T = sum(n for _, n in reqs)
+    nb = 2 + sum(-(-(c + n) // block_size) for c, n in reqs)
+    meta = make_batch(reqs, block_size=block_size, num_blocks=nb, max_blocks=12, T_pad=T + pad[0],
+                      R_pad=len(reqs) + pad[1], seed=seed, device=DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T + pad[0], heads, head, generator=g).to(DEVICE, dtype)
+    k = torch.randn(T + pad[0], kv_heads, head, generator=g).to(DEVICE, dtype)
+    v = torch.randn(T + pad[0], kv_heads, head, generator=g).to(DEVICE, dtype)
+    cache = torch.randn(2, nb, block_size, kv_heads, head, generator=g)
+    poison_unused_slots(cache, meta, block_size)
+    cache = cache.to(DEVICE, dtype)
+    ref_cache, tri_cache = cache.clone(), cache.clone()
+    ref = reference_paged_attention(q.float(), k.float(), v.float(), ref_cache.float(), meta, spec)
+    if segments is None:
+        out = triton_paged_attention(q, k, v, tri_cache, meta, spec)
+    else:
+        triton_write_kv(tri_cache, k, v, meta.slot_mapping)
+        out = unified_attention(q, tri_cache[0], tri_cache[1], meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, spec, segments=segments)
+    return out, ref, tri_cache, T
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (6, 2, None), (4, 4, 7), (8, 1, 20)])
+def test_mixed_batches_match_reference_fp32(block_size, heads, kv_heads, window):
+    rng = np.random.default_rng(block_size * 100 + heads * 10 + kv_heads)
+    reqs, pad = random_mixed_batch(rng, block_size)
+    out, ref, cache, T = run_case(reqs, heads=heads, kv_heads=kv_heads, window=window,
+                                  block_size=block_size, dtype=torch.float32, seed=int(rng.integers(1 << 30)))
+    torch.testing.assert_close(out[:T].cpu(), ref[:T].cpu(), rtol=1e-4, atol=1e-4)
+    assert torch.all(out[T:] == 0), "padded token rows must be zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_in_fp32(dtype):
+    if dtype == torch.bfloat16 and not HAS_CUDA:
+        pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands wrongly (numpy has no bfloat16); "
+                    "bfloat16 runs on a GPU (benchmarks/cuda_check.py)")
+    reqs = [(40, 1), (17, 1), (0, 9), (15, 18)]
+    out, ref, _, T = run_case(reqs, heads=4, kv_heads=2, window=None, block_size=16, dtype=dtype, seed=3)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out[:T].float().cpu(), ref[:T].cpu(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_split_decode_equals_single_pass(window):
+    reqs = [(70, 1), (3, 1), (0, 1), (33, 1)]  # decode only; 70 keys over 3 tiles: some segments empty
+    ref_out = None
+    for segments in (1, 4):
+        out, ref, _, T = run_case(reqs, heads=4, kv_heads=2, window=window, block_size=16,
+                                  dtype=torch.float32, seed=5, segments=segments)
+        torch.testing.assert_close(out[:T].cpu(), ref[:T].cpu(), rtol=1e-4, atol=1e-4)
+        assert torch.all(out[T:] == 0)
+        ref_out = out if ref_out is None else ref_out
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_write_matches_reference_and_skips_negative_slots():
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 6, 16, 2, 16, generator=g).to(DEVICE)
+    k = torch.randn(7, 2, 16, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(7, 2, 16, generator=g).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([17, 18, 95, 40, 0, 0, -1], device=DEVICE)
+    ref = cache.clone()
+    write_kv(ref, k[:6], v[:6], slots[:6])
+    triton_write_kv(cache, k, v, slots)
+    assert torch.equal(cache.cpu(), ref.cpu())
+    strided = torch.randn(2, 6, 2, 16, 16, generator=g).to(DEVICE).permute(0, 1, 3, 2, 4)  # non-contiguous
+    ref = strided.clone()
+    write_kv(ref, k[:6], v[:6], slots[:6])
+    triton_write_kv(strided, k, v, slots)
+    assert torch.equal(strided.cpu(), ref.cpu())
+
+
+def test_bad_shapes_name_the_field():
+    spec = LayerSpec(4, 2, 16, 0.25)
+    cache = torch.zeros(6, 16, 3, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        unified_attention(torch.zeros(2, 4, 16), cache, cache, torch.zeros(2, dtype=torch.int32),
+                          torch.zeros(1, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32), spec)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        triton_write_kv(torch.zeros(2, 6, 16, 2, 16), torch.zeros(3, 2, 16), torch.zeros(3, 2, 16),
+                        torch.zeros(2, dtype=torch.int64))
