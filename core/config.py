@@ -54,6 +54,9 @@ class SchedulerConfig(_Strict):
     long_prefill_token_threshold: int = Field(default=0, ge=0)
     policy: SchedulingPolicy = Field(default="fcfs", description="fcfs: arrival order; priority: lower "
                                      "`priority` first (ties by arrival), preempting the lowest-priority")
+    async_scheduling: bool | None = Field(default=None, description="schedule and prepare step N+1 while "
+                                          "step N runs on the device (vLLM's name); None: the backend's "
+                                          "`Capabilities.async_scheduling`")
 
 
 class RunnerConfig(_Strict):

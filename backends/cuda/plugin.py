@@ -72,7 +72,8 @@ class CUDABackend(Backend):
 
     name = "cuda"
     priority = 100
-    capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True)
+    capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
+                                async_scheduling=True)
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())

@@ -120,7 +120,8 @@ class NPUBackend(Backend):
 
     name = "npu"
     priority = 90
-    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True)
+    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
+                                async_scheduling=True)
     kv_alignment_bytes = ALIGNMENT
 
     def __init__(self) -> None:

@@ -77,6 +77,10 @@ class Capabilities:
     dtypes: the dtypes `check_dtype` accepts.
     sampling: sampling features the device supports; the engine rejects a request
       that needs another one with an error naming it.
+    async_scheduling: `to_host_async` returns a future that completes later (the
+      copy queues behind the device's work), so the engine may schedule and prepare
+      step N+1 while step N runs, feeding N's sampled tokens to N+1 on the device.
+      The engine's default when `async_scheduling` is not configured (vLLM's name).
     """
 
     graph_mode: str = "eager"
@@ -84,6 +88,7 @@ class Capabilities:
     counts_graphs: bool = False
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     sampling: frozenset[str] = SAMPLING_FEATURES
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -300,7 +305,10 @@ class Backend:
 
     def to_host_async(self, tensor: torch.Tensor) -> HostFuture:
         """OPTIONAL; each step, for the sampled tokens. Start the copy to the host;
-        `result()` of the returned future waits for it."""
+        `result()` of the returned future waits for it. With asynchronous
+        scheduling the core calls `result()` one step later, after it queued the
+        next step's work (which reads `tensor` on the device): the copy must not
+        wait for that work, and `tensor` must not be overwritten by it."""
         return HostFuture(tensor.to("cpu"))
 
     def synchronize(self) -> None:
