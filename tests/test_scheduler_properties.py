@@ -5,7 +5,8 @@ that finished its prefill, so no model is needed. Invariants checked every step:
 token budget and max_num_seqs never exceeded, blocks held == blocks needed,
 no block shared without prefix caching, rows decode-first, every request in a
 distinct stable slot (kept across preemption, freed when it finishes); at the end every request finished or
-was aborted and every block is free.
+was aborted and every block is free. Asynchronously, each step is scheduled before the previous one is
+updated (its tokens still in flight), and the same invariants hold.
 """
 
 import random
@@ -37,8 +38,9 @@ request_spec = st.tuples(
 @given(specs=st.lists(request_spec, min_size=1, max_size=24),
        budget=st.integers(8, 96), max_seqs=st.integers(1, 8), num_blocks=st.integers(9, 40),
        block_size=st.sampled_from([4, 8, 16]), chunked=st.booleans(), prefix=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000))
-def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, policy, seed):
+       policy=st.sampled_from(["fcfs", "priority"]), seed=st.integers(0, 1000), asynchronous=st.booleans())
+def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked, prefix, policy, seed,
+                        asynchronous):
     if not chunked:
         budget = max(budget, MAX_MODEL_LEN)
     rng = random.Random(seed)
@@ -60,6 +62,11 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
             req.priority = rng.randrange(-3, 3)
         reqs.append((arrival, abort_at, req))
     first_slot = {}
+    in_flight = None
+
+    def update(out):
+        sched.update(out, np.array([rng.randrange(3, 500) for _ in range(out.num_reqs)], np.int64))
+
     for _ in drive(sched, reqs):
         out = sched.schedule()
         assert out.total_num_tokens <= budget
@@ -71,15 +78,26 @@ def test_random_streams(specs, budget, max_seqs, num_blocks, block_size, chunked
         n = out.num_scheduled
         assert not (n[1:] == 1)[n[:-1] > 1].any(), "a decode row after a prefill row"
         for req, num, computed, slot in zip(out.requests, n.tolist(), out.num_computed.tolist(), out.slots.tolist()):
-            assert num >= 1 and slot == req.slot and computed == req.num_computed_tokens
+            assert num >= 1 and slot == req.slot and computed + num == req.num_computed_tokens
             assert first_slot.setdefault(req.request_id, slot) == slot, "a request changed slot"
-            assert req.num_computed_tokens + num <= req.num_tokens
-            assert len(kv.blocks[req.request_id]) >= cdiv(req.num_computed_tokens + num, block_size)
+            # a token still in flight (asynchronous) is scheduled before it is known
+            assert computed + num <= req.num_tokens + (in_flight is not None)
+            assert computed + num < min(req.num_prompt_tokens + req.max_tokens, MAX_MODEL_LEN)
+            assert len(kv.blocks[req.request_id]) >= cdiv(computed + num, block_size)
         if not prefix:  # without sharing, no block is held twice
             held = [b for bl in kv.blocks.values() for b in bl]
             assert len(held) == len(set(held))
         assert 0 not in {b for bl in kv.blocks.values() for b in bl}  # null block never handed out
-        sched.update(out, np.array([rng.randrange(3, 500) for _ in range(out.num_reqs)], np.int64))
+        if not asynchronous:
+            if not out.is_empty:
+                update(out)
+            continue
+        if in_flight is not None:
+            update(in_flight)
+        in_flight = None if out.is_empty else out
+    if in_flight is not None:   # its rows all finished meanwhile (the extra token of each is dropped)
+        update(in_flight)
+    assert sched.num_in_flight == 0
     for _, _, req in reqs:
         assert req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED), req.status
         if req.status == RequestStatus.FINISHED_LENGTH:

@@ -17,6 +17,15 @@ There is one path. The running requests' progress lives in slot-indexed arrays
 array operations; Python touches only the rows that need a block, complete a
 cached block, or may stop — and, unavoidably, appends each new token to its
 request's output list.
+
+`schedule()` advances each scheduled row's progress at once and counts the token
+a row will sample as a placeholder (vLLM's `num_output_placeholders`), so the
+next `schedule()` may run before this step's `update()` — asynchronous
+scheduling: a running request is then scheduled for the token still in flight
+(its stop rules are applied one step late, by `update()`; the extra token of a
+request that stopped is dropped), except one whose placeholder already reaches
+its length limit. A request finished or aborted while its step was in flight
+gets nothing from that step; one preempted meanwhile keeps the token.
 """
 
 from __future__ import annotations
@@ -70,6 +79,9 @@ class SchedulerOutput:
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
     reset_block_slots: list[int] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    samples: np.ndarray = field(default_factory=lambda: _NO_ROWS)   # [R] bool: the row completes its
+    #   sequence and its sampled token counts (else a partial prefill, its sample is dropped)
+    num_finished_at_schedule: int = 0   # the scheduler's finished count when this step was made
 
     @property
     def num_reqs(self) -> int:
@@ -111,7 +123,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._running_slots: np.ndarray | None = None   # slots of `running`, rebuilt on change
         self._num_finished = 0                  # requests finished so far
-        self._num_finished_at_schedule = 0      # ... when the last step was scheduled
+        self.num_in_flight = 0                  # steps scheduled and not yet updated
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -143,8 +155,9 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self._num_finished_at_schedule = self._num_finished
+        """The next step. May be called again before this step's `update` (see the
+        module docstring); every non-empty step must be updated, in order."""
+        out = SchedulerOutput(num_finished_at_schedule=self._num_finished)
         budget = self.config.max_num_batched_tokens
         rows, slots, counts, computed, total = self._schedule_running(out, budget)
         admitted = self._admit(out, budget - total)
@@ -153,7 +166,7 @@ class Scheduler:
                 return out
             if total == len(rows):   # all decodes: already decode-first
                 out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
-                return out
+                return self._advance(out)
         else:
             new_slots = np.array([r.slot for r, _ in admitted], np.int64)
             rows = rows + [r for r, _ in admitted]
@@ -165,6 +178,18 @@ class Scheduler:
             rows = [rows[i] for i in order.tolist()]
             slots, counts, computed = slots[order], counts[order], computed[order]
         out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
+        return self._advance(out)
+
+    def _advance(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Count the step as done: progress moves by the scheduled tokens, and each
+        row that completes its sequence holds a placeholder for its sampled token."""
+        a = self.slots
+        slots = out.slots
+        nc = out.num_computed + out.num_scheduled
+        a.num_computed[slots] = nc
+        out.samples = samples = nc >= a.num_tokens[slots]
+        a.num_tokens[slots] += samples
+        self.num_in_flight += 1
         return out
 
     def _plan(self, want: np.ndarray, budget: int) -> np.ndarray:
@@ -198,6 +223,8 @@ class Scheduler:
             slots = self._slots_of_running()
             nc = a.num_computed[slots]
             want = a.num_tokens[slots] - nc
+            if self.num_in_flight:   # a request whose token in flight ends it by length runs no more
+                want[a.num_tokens[slots] >= a.length_limit[slots]] = 0
             total = int(want.sum())
             # a running request holds exactly cdiv(num_computed, block_size) blocks
             if total == len(slots) and total <= budget:   # all decodes: one token each
@@ -221,7 +248,8 @@ class Scheduler:
             out.new_block_ids[req.slot] = self.kv.allocate(req, int(take[i]))
         if self.kv.enable_prefix_caching:
             for i in np.flatnonzero((nc + take) // bs > nc // bs).tolist():
-                self.kv.mark_computing(running[i], int(take[i]))
+                req = running[i]   # a token still in flight is not known yet: no key for its block
+                self.kv.mark_computing(req, min(int(take[i]), req.num_tokens - int(nc[i])))
         if need is None or take.all():
             return list(running), slots, take, nc, total
         keep = np.flatnonzero(take)
@@ -310,29 +338,26 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------
     def update(self, out: SchedulerOutput, tokens: np.ndarray) -> StepUpdate:
-        """Advance progress by the step and append `tokens[i]` to every row i whose
-        sequence the step completed (the other rows ran a partial prefill and
-        their token is ignored); apply length / EOS / stop-id rules."""
+        """Append `tokens[i]` to every row i whose sequence the step completed
+        (`out.samples`; the other rows ran a partial prefill and their token is
+        ignored) and whose request is not finished; apply length / EOS / stop-id rules."""
+        if out.is_empty:
+            return StepUpdate([], [])
         a = self.slots
         reqs, slots = out.requests, out.slots
+        self.num_in_flight -= 1
         nc = out.num_computed + out.num_scheduled
-        nt = a.num_tokens[slots]
-        done = nc >= nt
-        if self._num_finished != self._num_finished_at_schedule:   # aborted while the step ran
-            live = np.fromiter((not r.finished for r in reqs), bool, len(reqs))
-            done &= live
-            a.num_computed[slots[live]] = nc[live]
-        else:
-            a.num_computed[slots] = nc
+        done = out.samples
+        if self._num_finished != out.num_finished_at_schedule:   # finished while the step ran
+            done = done & np.fromiter((not r.finished for r in reqs), bool, len(reqs))
         if done.all():
-            advanced, adv_slots, adv_tokens, adv_nt = list(reqs), slots, tokens[:len(reqs)], nt + 1
+            advanced, adv_slots, adv_tokens, adv_nt = list(reqs), slots, tokens[:len(reqs)], nc + 1
         else:
             rows = np.flatnonzero(done)
             advanced = [reqs[i] for i in rows.tolist()]
-            adv_slots, adv_tokens, adv_nt = slots[rows], tokens[rows], nt[rows] + 1
+            adv_slots, adv_tokens, adv_nt = slots[rows], tokens[rows], nc[rows] + 1
         for req, tok in zip(advanced, adv_tokens.tolist()):
             req.output_token_ids.append(tok)
-        a.num_tokens[adv_slots] = adv_nt
         if self.kv.enable_prefix_caching:
             bs = self.kv.block_size
             for i in np.flatnonzero(nc // bs > out.num_computed // bs).tolist():
