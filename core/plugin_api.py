@@ -24,7 +24,7 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   under `TOKEN_BLOCK_TABLES`);
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`,
-  `profiled_kv_budget`, `pinned_upload`, `async_to_host`;
+  `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
 - sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
   rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
   core `Sampler` and its pieces (`compute_logprobs`, `gather_logprobs`,
@@ -59,6 +59,7 @@ from polyrunner.device.graphs import (
     graph_bucket_policy,
     pinned_upload,
     profiled_kv_budget,
+    worst_case_profile,
 )
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl, register
@@ -95,5 +96,5 @@ __all__ = [
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",
     # stream graphs (CUDA-like device modules)
     "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "profiled_kv_budget",
-    "pinned_upload", "async_to_host",
+    "pinned_upload", "async_to_host", "worst_case_profile",
 ]

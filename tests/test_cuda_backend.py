@@ -135,7 +135,7 @@ def test_bucket_policy(seqs, tokens):
     for buckets in (policy.token_buckets, policy.request_buckets):
         assert buckets == sorted(set(buckets)) and buckets[-1] == top
         assert buckets[:3] == [1, 2, 4][: len(buckets[:3])] or top < 4
-        assert all(b % 8 == 0 for b in buckets if b > 4 and b != top)
+        assert all(b % 8 == 0 for b in buckets if 4 < b < 256) and all(b % 16 == 0 for b in buckets if b >= 256)
     prev = (0, 0)
     for n in range(1, tokens + 1):  # every size is covered, padding is monotonic and bounded
         t, r = policy.pad(n, min(n, seqs))
@@ -274,11 +274,6 @@ class FailingSimGraphBackend(SimGraphBackend):
     fail = True
 
 
-class WidthsSimGraphBackend(SimGraphBackend):
-    name = "cpu-simgraph-widths"  # context widths 64, 256 and 512 tokens (4, 16, 32 blocks)
-    executor_kwargs = dict(context_buckets=(64, 256))
-
-
 class ShortSimGraphBackend(SimGraphBackend):
     name = "cpu-simgraph-short"  # one context width of 32 tokens: longer decodes run eagerly
     executor_kwargs = dict(max_seq_len_to_capture=32)
@@ -288,7 +283,7 @@ class _SimPlugin:
     @staticmethod
     @hookimpl
     def polyrunner_backends():
-        return [SimGraphBackend, FailingSimGraphBackend, WidthsSimGraphBackend, ShortSimGraphBackend]
+        return [SimGraphBackend, FailingSimGraphBackend, ShortSimGraphBackend]
 
 
 @pytest.fixture(scope="module")
@@ -335,24 +330,25 @@ def test_simulated_graphs_match_cpu_reference(sim_backend, tiny_llama):
     llm, got = _generate(tiny_llama, "cpu-simgraph")
     ex = llm.engine.runner.executor
     assert got == expected
-    assert ex.num_graphs() == 4 and sorted(ex.graphs) == [(1, 32), (2, 32), (4, 32), (8, 32)]
+    assert ex.num_graphs() == 4 and sorted(ex.graphs) == [1, 2, 4, 8] and ex._width == 32
     assert ex.api.captures == 4 and ex.api.replays > 0  # decode steps replayed graphs
+    counts = ex.counters()
+    assert counts["replays"] == ex.api.replays and counts["eager"]["mixed"] > 0
+    assert set(counts["eager"]) <= {"mixed", "not_captured", "too_large"}
     llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, use_tqdm=False)
     assert ex.num_graphs() == 4 and ex.api.captures == 4  # no growth after warm-up
 
 
-def test_simulated_graphs_context_widths(sim_backend, tiny_llama, caplog):
+def test_simulated_graphs_long_context_runs_eager(sim_backend, tiny_llama, caplog):
     expected = _expected(tiny_llama)
-    llm, got = _generate(tiny_llama, "cpu-simgraph-widths")
-    ex = llm.engine.runner.executor
-    assert got == expected and ex.num_graphs() == 12 and ex._widths == [4, 16, 32]
-    used = ex.api.replays
-    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)  # short context: the 4-block graphs
-    assert ex.api.replays > used and ex.num_graphs() == 12
     with caplog.at_level(logging.WARNING):
         llm, got = _generate(tiny_llama, "cpu-simgraph-short")
-    assert got == expected and llm.engine.runner.executor._widths == [2]
-    assert "exceeds the widest graph" in caplog.text
+    ex = llm.engine.runner.executor
+    assert got == expected and ex._width == 2
+    assert ex.counters()["eager"]["long_context"] > 0
+    assert "exceeds the graphs' width" in caplog.text
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)  # a short context fits the width
+    assert ex.counters()["replays"] > 0
 
 
 def test_simulated_graphs_chunked_prefill(sim_backend, tiny_llama):
@@ -376,6 +372,7 @@ def test_batch_above_largest_graph_runs_eager(sim_backend, tiny_llama, caplog):
         llm, got = _generate(tiny_llama, "cpu-simgraph", token_buckets=[1, 2])
     assert got == expected and llm.engine.runner.executor.num_graphs() == 2
     assert "exceeds the largest captured graph" in caplog.text
+    assert llm.engine.runner.executor.counters()["eager"]["too_large"] > 0
 
 
 def test_enforce_eager_captures_nothing(sim_backend, tiny_llama):
@@ -410,16 +407,17 @@ def _check_every_bucket(llm, atol):
     runner = llm.engine.runner
     ex = runner.executor
     assert ex.num_graphs() > 0
-    for B, W in sorted(ex.graphs):
+    W = ex._width
+    for B in sorted(ex.graphs):
         inputs = _random_decode_inputs(runner, B, W, seed=B * 100 + W)
-        assert ex._dispatch(inputs) == (B, W)
+        assert ex._dispatch(inputs) == B
         with torch.inference_mode():
             eager = ex.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches).clone()
             graph = ex.run(inputs).clone()
         torch.testing.assert_close(graph, eager, rtol=atol, atol=atol, msg=f"bucket {B}")
 
 
-@pytest.mark.parametrize("backend", ["cpu-simgraph", "cpu-simgraph-widths"])
+@pytest.mark.parametrize("backend", ["cpu-simgraph", "cpu-simgraph-short"])
 def test_simulated_graph_equals_eager_every_bucket(sim_backend, tiny_llama, backend):
     llm, _ = _generate(tiny_llama, backend, max_tokens=1)
     _check_every_bucket(llm, 1e-4)

@@ -1,28 +1,37 @@
-"""CUDA backend plugin: CUDA graphs, profiled KV budget, SDPA paged attention.
+"""CUDA backend plugin: CUDA graphs, profiled KV budget, Triton paged attention.
 
 Nothing here touches CUDA at import time: `probe()` asks
 `torch.cuda.is_available()` and reports why not (a CPU-only PyTorch build,
 no visible device) instead of failing.
 
-- Buckets (`graphs.graph_bucket_policy`): capture sizes 1, 2, 4, 8, 16, 24, ...
-  up to min(max_num_seqs, 512, max_num_batched_tokens) on both axes; larger
-  batches are not padded and run eagerly. `runner.enforce_eager` turns padding
-  and graphs off.
-- Graphs (`graphs.StaticGraphExecutor`): full-model CUDA graphs of decode-only
-  batches per (batch size, context width 512/2048/8192 tokens), captured largest
-  first into one shared pool; prefill/mixed batches, batches above the largest
-  graph and contexts above `max_seq_len_to_capture` (8192) run eagerly.
-- KV budget: reset peak statistics, profile a max-size step, then
-  total * memory_utilization - (torch peak incl. weights + non-torch memory);
-  or `cache.kv_cache_memory_bytes`.
-- Attention: `attention.sdpa_paged_attention` (torch SDPA/matmul, batched decode).
+- Buckets (`graph_bucket_policy`): vLLM's capture sizes (1, 2, 4, 8, 16, ...,
+  up to min(2 * max_num_seqs, 512)) that a decode batch can use, on both axes;
+  larger batches are not padded and run eagerly. `runner.enforce_eager` turns
+  padding and graphs off.
+- Graphs (`StaticGraphExecutor`, FULL_DECODE_ONLY): one full-model CUDA graph
+  per padded decode batch size, captured largest first into one shared pool;
+  prefill/mixed steps run eagerly; replays and eager steps by reason are
+  counted (`executor.counters()`). With Triton the attention reads the lengths
+  on the device, so one graph serves every context length; without it the
+  graphs read up to `max_seq_len_to_capture` (8192) tokens per request.
+- KV budget: reset peak statistics, profile the worst steps (largest batch,
+  longest prefill, sampler at max_num_seqs), reserve the estimated graph pool,
+  then total * memory_utilization - (peak incl. weights + non-torch memory +
+  reserve); or `cache.kv_cache_memory_bytes`.
+- Attention: `triton_attention.triton_paged_attention` (one Triton kernel for
+  mixed prefill + decode batches, plus a KV-write kernel) when triton is
+  installed (the `cuda` extra); otherwise `sdpa_paged_attention` (torch SDPA /
+  matmul) with a warning.
 - Transfers: uploads staged through pinned memory (non_blocking); outputs
   copied into a pinned buffer behind a CUDA event.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
+from typing import Callable
 
 import numpy as np
 import torch
@@ -36,13 +45,39 @@ from polyrunner.plugin_api import (
     HostFuture,
     StaticGraphExecutor,
     TorchGraphAPI,
+    AttentionMetadata,
+    LayerSpec,
     async_to_host,
     graph_bucket_policy,
     hookimpl,
     pinned_upload,
     profiled_kv_budget,
     sdpa_paged_attention,
+    worst_case_profile,
 )
+
+logger = logging.getLogger(__name__)
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, LayerSpec],
+                       torch.Tensor]
+
+
+def load_attention() -> tuple[AttentionOp, bool]:
+    """(op, length_adaptive): the Triton op when triton imports, else the SDPA
+    fallback with a warning saying why. Never raises."""
+    if os.environ.get("POLYRUNNER_CUDA_TRITON", "1") == "0":
+        logger.info("cuda: POLYRUNNER_CUDA_TRITON=0: SDPA paged attention")
+        return sdpa_paged_attention, False
+    if importlib.util.find_spec("triton") is None:
+        logger.warning("cuda: triton is not installed (pip install 'polyrunner[cuda]'): falling back to SDPA "
+                       "paged attention (slower decode; graphs read a fixed context width)")
+        return sdpa_paged_attention, False
+    try:
+        from polyrunner.backends.cuda.triton_attention import triton_paged_attention
+    except Exception as exc:  # noqa: BLE001 - a broken triton install is a fallback, not a crash
+        logger.warning("cuda: triton failed to import (%s: %s): falling back to SDPA paged attention",
+                       type(exc).__name__, exc)
+        return sdpa_paged_attention, False
+    return triton_paged_attention, True
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -77,6 +112,8 @@ class CUDABackend(Backend):
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())
+        self.attention, self.length_adaptive = load_attention()
+        self._executor: StaticGraphExecutor | None = None
 
     @classmethod
     def probe(cls) -> Availability:
@@ -108,15 +145,18 @@ class CUDABackend(Backend):
         return graph_bucket_policy(config)
 
     def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
+        """The worst steps' peak plus the graph pool's estimate stay free of KV."""
+        ex, buckets = self._executor, self.bucket_policy(config)
+        reserve = (lambda per_token: ex.pool_reserve_bytes(per_token, buckets)) if ex is not None else None
         with torch.cuda.device(self._device):
-            return profiled_kv_budget(torch.cuda, config, weights_bytes, profile, "cuda")
-
-    attention = staticmethod(sdpa_paged_attention)
+            return profiled_kv_budget(torch.cuda, config, weights_bytes, worst_case_profile(profile), "cuda",
+                                      reserve)
 
     def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
-        return StaticGraphExecutor(model, TorchGraphAPI(torch.cuda, "CUDAGraph", "cuda graphs"),
-                                   max_num_seqs=config.scheduler.max_num_seqs,
-                                   enforce_eager=config.runner.enforce_eager)
+        self._executor = StaticGraphExecutor(
+            model, TorchGraphAPI(torch.cuda, "CUDAGraph", "cuda graphs"), max_num_seqs=config.scheduler.max_num_seqs,
+            enforce_eager=config.runner.enforce_eager, length_adaptive=self.length_adaptive)
+        return self._executor
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:

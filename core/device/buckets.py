@@ -20,6 +20,24 @@ def capture_sizes(max_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, limit: int = 512) -> list[int]:
+    """vLLM's default CUDA-graph capture sizes: up to min(2 * max_num_seqs, limit),
+    1, 2, 4, then multiples of 8 below 256 and multiples of 16 from 256 on;
+    sizes above max_num_batched_tokens are dropped (never below [1])."""
+    top = min(2 * max_num_seqs, limit)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16))
+    return [s for s in sizes if s <= top and s <= max_num_batched_tokens] or [1]
+
+
+def decode_capture_sizes(sizes: list[int], max_num_seqs: int) -> list[int]:
+    """The sizes a decode-only (one token per request) graph can use: those up
+    to max_num_seqs (vLLM's FULL_DECODE_ONLY filter), plus the smallest size
+    above it when max_num_seqs is not one, so that every decode batch has a graph."""
+    below = [s for s in sorted(sizes) if s <= max_num_seqs]
+    above = [s for s in sorted(sizes) if s > max_num_seqs]
+    return below + above[:1] if (not below or below[-1] != max_num_seqs) else below
+
+
 def exponential_sizes(min_size: int, max_size: int) -> list[int]:
     """Powers of two from min_size (rounded up to a power of two) up to max_size (inclusive)."""
     size = 1 << max(0, (min_size - 1).bit_length())

@@ -3,30 +3,34 @@ API (graphs, memory pools, events, streams, memory statistics): the CUDA and
 Ascend backends pass their device module or a small `GraphAPI`; nothing here
 imports a device library.
 
-- `graph_bucket_policy`: capture sizes `[1, 2, 4, 8, 16, 24, ...]` on both
-  axes up to `min(max_num_seqs, 512, max_num_batched_tokens)`; a batch above
-  the largest size runs unpadded (eager). Graphs are decode-only (one token
-  per request), so a graph larger than `max_num_seqs` could never be replayed:
-  unlike vLLM's `2 * max_num_seqs` (which serves speculative decoding's
-  several tokens per request) the list stops at `max_num_seqs`.
-- `StaticGraphExecutor`: full-model graphs for decode-only batches, keyed by
-  (batch size, context width), captured largest first into one shared memory
-  pool, replayed after copying the step's inputs into static buffers;
-  everything else runs eagerly. Inside a graph, decode attention reads a fixed
-  number of blocks per request, so its cost follows the graph's context width,
-  not the live context: widths step by 4x (512, 2048, 8192 tokens, capped at
-  `max_seq_len_to_capture` and the block-table width) keep that within 4x of
-  the batch's longest context; a longer context runs eagerly.
+- `graph_bucket_policy`: vLLM's capture sizes (`cudagraph_capture_sizes`: 1,
+  2, 4, multiples of 8, then of 16 from 256, up to min(2 * max_num_seqs, 512)
+  and max_num_batched_tokens), kept to those a decode-only batch can use
+  (`decode_capture_sizes`: up to max_num_seqs, plus the one size above it), on
+  both axes; a batch above the largest size runs unpadded (eager).
+- `StaticGraphExecutor`: vLLM's FULL_DECODE_ONLY mode. Full-model graphs of
+  uniform-decode steps keyed by the padded batch size alone, captured largest
+  first into one shared pool, replayed after copying the step's inputs into
+  static buffers; mixed and prefill steps run eagerly. Counters of replays and
+  of eager steps by reason (`counters()`). With a length-adaptive attention
+  (it reads `seq_lens` on the device, e.g. the Triton kernel) one graph serves
+  every context length; otherwise the captured decode reads a fixed width, the
+  block-table width capped at `max_seq_len_to_capture`, and longer contexts run
+  eagerly.
 - `profiled_kv_budget`, `async_to_host`, `pinned_upload`: memory profiling and
-  host<->device transfers over a CUDA-like device module.
+  host<->device transfers over a CUDA-like device module; the profile also
+  measures activation bytes per token, from which `StaticGraphExecutor`
+  estimates the graph pool to reserve before the KV budget is fixed.
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
+import inspect
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,11 +38,14 @@ import torch
 
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
-from polyrunner.device.buckets import BucketPolicy, capture_sizes
+from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
 from polyrunner.attention.batched import STATIC_DECODE
 
 logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
+
+# Why a step ran eagerly (keys of `StaticGraphExecutor.counters()["eager"]`).
+EAGER_REASONS = ("no_graphs", "mixed", "too_large", "not_captured", "long_context", "shape", "kv_caches")
 
 
 # ---- buckets ---------------------------------------------------------------
@@ -62,12 +69,14 @@ def _up(buckets: list[int], n: int) -> int:
 
 
 def graph_bucket_policy(config) -> BucketPolicy:
-    """Capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager."""
+    """Decode capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager."""
     if config.runner.enforce_eager:
         return BucketPolicy()
     sched = config.scheduler
-    top = min(sched.max_num_seqs, MAX_CAPTURE_SIZE, sched.max_num_batched_tokens)
-    tokens = sorted(set(config.runner.token_buckets or capture_sizes(top)))
+    sizes = decode_capture_sizes(
+        cudagraph_capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE),
+        sched.max_num_seqs)
+    tokens = sorted(set(config.runner.token_buckets or sizes))
     reqs = sorted(set(config.runner.request_buckets or tokens))
     return GraphBucketPolicy(tokens, reqs)
 
@@ -138,7 +147,9 @@ class _Static:
                    z(m.block_tables), z(m.query_start_loc, B + 1), z(m.token_to_req))
 
     def load(self, inputs: ModelInputs, B: int, W: int) -> None:
+        """Copy a decode batch of B rows; its block table's first W columns (the rest stay 0)."""
         m = inputs.attn
+        W = min(W, m.block_tables.shape[1])
         self.input_ids[:B].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:B].copy_(inputs.positions, non_blocking=True)
         self.slot_mapping[:B].copy_(m.slot_mapping, non_blocking=True)
@@ -164,16 +175,21 @@ class _Graph:
 
 @dataclass
 class StaticGraphExecutor(GraphExecutor):
-    """Decode-only full-model graphs over static buffers; eager otherwise.
+    """FULL_DECODE_ONLY graphs over static buffers; eager otherwise.
 
-    `prepare` captures, for every token bucket B (B requests of one token each,
-    B <= max_num_seqs) and every context width W (in blocks), one graph,
-    largest first, all in one memory pool; each capture follows `num_warmups`
-    eager runs. `run` replays graph (B, smallest W covering the longest
-    context) when the batch is decode-only, padded to a captured size, and
-    uses the KV caches the graphs were captured with; anything else runs
-    eagerly (logged once per reason). A failed capture discards every graph
-    and the executor stays eager, with a warning saying why.
+    `prepare` captures one graph per token bucket B (B requests of one token
+    each, B <= the largest decode size), largest first, all in one memory pool;
+    each capture follows `num_warmups` eager runs. `run` replays graph B when the
+    step is uniform decode, padded to a captured size, within the captured
+    context width, and on the KV caches the graphs were captured with; anything
+    else runs eagerly, counted by reason (`counters()`; logged once per reason).
+    A failed capture discards every graph and the executor stays eager, with a
+    warning saying why.
+
+    `length_adaptive`: the backend's attention reads the lengths on the device
+    (its cost follows `seq_lens`), so a graph may read the whole block table:
+    one graph per batch size covers every context. Otherwise the graph's
+    attention reads W = min(block-table width, max_seq_len_to_capture) blocks.
     """
 
     model: torch.nn.Module
@@ -181,16 +197,18 @@ class StaticGraphExecutor(GraphExecutor):
     max_num_seqs: int
     enforce_eager: bool = False
     num_warmups: int = 1
+    length_adaptive: bool = False
     max_seq_len_to_capture: int = 8192
-    context_buckets: tuple[int, ...] = (512, 2048)  # tokens; plus the capped maximum
-    graphs: dict[tuple[int, int], _Graph] = field(default_factory=dict)
+    graphs: dict[int, _Graph] = field(default_factory=dict)
     capture_seconds: float = 0.0
     capture_bytes: int = 0
     disabled_reason: str | None = None
+    replays: int = 0
+    eager_steps: Counter = field(default_factory=Counter)
     _static: _Static | None = None
     _kv: list[torch.Tensor] | None = None
     _kv_ptrs: list[int] = field(default_factory=list)
-    _widths: list[int] = field(default_factory=list)  # context widths in blocks, ascending
+    _width: int = 0          # blocks a graph's attention reads per request
     _block_size: int = 0
     _capturing: int | None = None
     _pool: Any = None
@@ -200,7 +218,7 @@ class StaticGraphExecutor(GraphExecutor):
         if self.enforce_eager:
             logger.info("%s: enforce_eager is set; no graphs are captured", self.api.name)
             return
-        sizes = [b for b in buckets.token_buckets if b <= self.max_num_seqs and buckets.pad(b, b) == (b, b)]
+        sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
         if not sizes:
             return
         t0, free0 = time.perf_counter(), self.api.free_memory()
@@ -221,22 +239,29 @@ class StaticGraphExecutor(GraphExecutor):
             self.api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free0 - self.api.free_memory())
-        logger.info("%s: captured %d graphs (batch sizes %s x context widths %s tokens) in %.2fs using "
-                    "%.1f MiB", self.api.name, len(self.graphs), sorted({b for b, _ in self.graphs}),
-                    [w * self._block_size for w in self._widths], self.capture_seconds, self.capture_bytes / 2**20)
+        self.replays, self.eager_steps = 0, Counter()  # count serving steps only
+        logger.info("%s: captured %d decode graphs (batch sizes %s, context width %d tokens%s) in %.2fs using "
+                    "%.1f MiB", self.api.name, len(self.graphs), sorted(self.graphs),
+                    self._width * self._block_size, ", length-adaptive" if self.length_adaptive else "",
+                    self.capture_seconds, self.capture_bytes / 2**20)
 
     def num_graphs(self) -> int:
         return len(self.graphs)
 
+    def counters(self) -> dict[str, Any]:
+        """{"replays": n, "eager": {reason: n}, "graphs": sizes}: steps since start-up (warm-up excluded)."""
+        return {"replays": self.replays, "eager": dict(self.eager_steps), "graphs": sorted(self.graphs)}
+
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         if self._capturing is not None:
             return self._capture(inputs, self._capturing)
-        key = self._dispatch(inputs)
-        if key is None:
+        B = self._dispatch(inputs)
+        if B is None:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
-        self._static.load(inputs, *key)
-        graph = self.graphs[key]
+        self._static.load(inputs, B, self._width)
+        graph = self.graphs[B]
         graph.replay()
+        self.replays += 1
         return graph.output
 
     def _capture(self, inputs: ModelInputs, B: int) -> torch.Tensor:
@@ -248,62 +273,88 @@ class StaticGraphExecutor(GraphExecutor):
             self._static = _Static.like(inputs)
             self._kv, self._kv_ptrs = inputs.kv_caches, [t.data_ptr() for t in inputs.kv_caches]
             self._block_size = bs = inputs.kv_caches[0].shape[2]
-            top = min(m.block_tables.shape[1], -(-self.max_seq_len_to_capture // bs))
-            self._widths = sorted({-(-t // bs) for t in self.context_buckets if -(-t // bs) < top} | {top})
-        st, kv = self._static, self._kv
-        for W in reversed(self._widths):  # widest first, like the batch sizes
-            st.load(inputs, B, W)
-            meta = st.meta(B, W, self._block_size)
+            table = m.block_tables.shape[1]
+            self._width = table if self.length_adaptive else min(table, -(-self.max_seq_len_to_capture // bs))
+        st, kv, W = self._static, self._kv, self._width
+        st.load(inputs, B, W)
+        meta = st.meta(B, W, self._block_size)
 
-            def forward(meta=meta) -> torch.Tensor:
-                return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+        def forward() -> torch.Tensor:
+            return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
 
-            for _ in range(self.num_warmups):
-                forward()
-            self.api.synchronize()
-            replay, out = self.api.capture(forward, self._pool)
-            self.graphs[(B, W)] = _Graph(replay, out)
+        for _ in range(self.num_warmups):
+            forward()
+        self.api.synchronize()
+        replay, out = self.api.capture(forward, self._pool)
+        self.graphs[B] = _Graph(replay, out)
         return out
 
-    def _dispatch(self, inputs: ModelInputs) -> tuple[int, int] | None:
+    def _dispatch(self, inputs: ModelInputs) -> int | None:
+        """The graph to replay for this step, or None (eager, counted by reason)."""
+        reason, message = self._eager_reason(inputs)
+        if reason is None:
+            return int(inputs.input_ids.shape[0])
+        self.eager_steps[reason] += 1
+        if reason not in self._warned and message:
+            self._warned.add(reason)
+            (logger.info if reason in ("mixed", "no_graphs") else logger.warning)("%s: %s", self.api.name, message)
+        return None
+
+    def _eager_reason(self, inputs: ModelInputs) -> tuple[str | None, str]:
         if not self.graphs:
-            return None
+            return "no_graphs", ""
         m = inputs.attn
         B = inputs.input_ids.shape[0]
         if m.max_query_len != 1 or m.num_actual_tokens != m.num_reqs:
-            self._warn_once("mixed", "batches with prefill tokens run eagerly (graphs are decode-only)")
-            return None
-        W = next((w for w in self._widths if w * self._block_size >= m.max_seq_len), None)
-        if W is None:
-            self._warn_once("long", f"decode context of {m.max_seq_len} tokens exceeds the widest graph "
-                                    f"({self._widths[-1] * self._block_size}, max_seq_len_to_capture="
+            return "mixed", "steps with prefill tokens run eagerly (graphs are decode-only)"
+        if B not in self.graphs:
+            largest = max(self.graphs)
+            if B > largest:
+                return "too_large", f"decode batch of {B} exceeds the largest captured graph ({largest}); eager"
+            return "not_captured", f"no graph was captured for padded size {B}; running eagerly"
+        if m.max_seq_len > self._width * self._block_size:
+            return "long_context", (f"decode context of {m.max_seq_len} tokens exceeds the graphs' width "
+                                    f"({self._width * self._block_size}, max_seq_len_to_capture="
                                     f"{self.max_seq_len_to_capture}); running eagerly")
-            return None
-        if (B, W) not in self.graphs:
-            largest = max(b for b, _ in self.graphs)
-            reason = (f"decode batch of {B} exceeds the largest captured graph ({largest}); running eagerly"
-                      if B > largest else f"no graph was captured for padded size {B}; running eagerly")
-            self._warn_once(f"size{B > largest}", reason)
-            return None
-        if m.num_padded_reqs != B or m.block_tables.shape[1] < W:
-            self._warn_once("shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly")
-            return None
+        if m.num_padded_reqs != B:
+            return "shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly"
         if inputs.kv_caches is not self._kv and [t.data_ptr() for t in inputs.kv_caches] != self._kv_ptrs:
-            self._warn_once("kv", "KV caches differ from those the graphs were captured with; running eagerly")
-            return None
-        return B, W
+            return "kv_caches", "KV caches differ from those the graphs were captured with; running eagerly"
+        return None, ""
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            (logger.info if key == "mixed" else logger.warning)("%s: %s", self.api.name, message)
+    # ---- memory ----------------------------------------------------------------
+    def pool_reserve_bytes(self, activation_bytes_per_token: float, buckets: BucketPolicy) -> int:
+        """An estimate of the graph pool, reserved before the KV budget is fixed: the
+        largest graph's activations (one pool, captured largest first, so smaller
+        graphs reuse them) at the profile's bytes per token, plus 2 MiB per graph
+        for outputs and allocator rounding. 0 under enforce_eager."""
+        sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
+        if self.enforce_eager or not sizes:
+            return 0
+        return int(activation_bytes_per_token * sizes[-1]) + len(sizes) * (2 << 20)
 
 
 # ---- memory and transfers --------------------------------------------------
-def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[], None],
-                       name: str) -> int:
-    """KV bytes = total * memory_utilization - (torch peak incl. weights + non-torch memory).
+def worst_case_profile(profile: Callable[..., None]) -> Callable[[], None]:
+    """The runner's profile asked for its worst steps (`profile(worst_case=True)`:
+    also the longest prefill and the sampler at max_num_seqs); a plain callable
+    (a check's stand-in) is called as it is."""
+    try:
+        accepts = "worst_case" in inspect.signature(profile).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return (lambda: profile(worst_case=True)) if accepts else profile
 
+
+def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[], None],
+                       name: str, reserve: Callable[[float], int] | None = None) -> int:
+    """KV bytes = total * memory_utilization - (torch peak incl. weights + non-torch memory
+    + reserve), where `profile()` runs the engine's worst steps (the largest batch, the
+    longest prefill, the sampler at max_num_seqs).
+
+    `reserve(activation_bytes_per_token)` -> bytes kept free for what is allocated
+    after the KV cache (the graph pool: `StaticGraphExecutor.pool_reserve_bytes`);
+    bytes per token = the profile's peak increase / max_num_batched_tokens.
     `kv_cache_memory_bytes` wins when set (the profile still runs, to fail early).
     Non-torch memory is what the device reports used beyond torch's reserved
     pool at the profile's peak: context, library workspaces, other processes.
@@ -320,12 +371,15 @@ def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[
     peak = mod.max_memory_allocated()
     free, total = mod.mem_get_info()
     non_torch = max(0, (total - free) - mod.memory_reserved())
-    budget = int(total * config.cache.memory_utilization) - (peak + non_torch)
+    per_token = (peak - before) / max(1, config.scheduler.max_num_batched_tokens)
+    reserved = reserve(per_token) if reserve is not None else 0
+    budget = int(total * config.cache.memory_utilization) - (peak + non_torch + reserved)
     logger.info("%s memory: total %.2f GiB x %.2f; weights %.2f GiB, other persistent %.2f GiB, "
-                "profile peak increase %.2f GiB, non-torch %.2f GiB -> KV cache %.2f GiB", name,
+                "profile peak increase %.2f GiB, non-torch %.2f GiB, graph pool reserve %.2f GiB "
+                "-> KV cache %.2f GiB", name,
                 total / 2**30, config.cache.memory_utilization, weights_bytes / 2**30,
                 max(0, before - weights_bytes) / 2**30, (peak - before) / 2**30,
-                non_torch / 2**30, max(0, budget) / 2**30)
+                non_torch / 2**30, reserved / 2**30, max(0, budget) / 2**30)
     mod.empty_cache()
     return max(0, budget)
 

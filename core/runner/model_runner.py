@@ -69,9 +69,11 @@ class ModelRunner:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         sched = self.config.scheduler
 
-        def profile() -> None:
+        def profile(worst_case: bool = False) -> None:
             self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec, 2)
             self._run_dummy(sched.max_num_batched_tokens, sched.max_num_seqs)
+            if worst_case:
+                self._profile_worst_steps()
             self.kv_caches = []
 
         if cache_cfg.num_blocks_override is not None:
@@ -99,6 +101,37 @@ class ModelRunner:
         with self.backend.no_grad():
             hidden = self.executor.run(inputs)
         return hidden
+
+    def _profile_worst_steps(self) -> None:
+        """For a backend's memory profile (`profile(worst_case=True)`): the longest
+        prefill (one request's largest chunk at the end of a max_model_len context,
+        its tokens writing the null block) and sampling max_num_seqs rows with
+        top-k/top-p/logprobs. Leaves no sampling state behind."""
+        from polyrunner.sampling_params import SamplingParams
+        sched, n = self.config.scheduler, self.config.scheduler.max_num_seqs
+        chunk = min(sched.max_num_batched_tokens, self.max_model_len)
+        step = dummy_step(chunk, 1, self.max_blocks_per_req)
+        step.positions += self.max_model_len - chunk
+        step.seq_lens[:] = step.max_seq_len = self.max_model_len
+        T_pad, R_pad = self.buckets.pad(chunk, 1)
+        if (T_pad, R_pad) != (chunk, 1):
+            step = pad_dummy(step, T_pad, R_pad)
+        inputs = self._to_device(step)
+        sampling, slots = self.states.sampling, np.arange(n)
+        max_lp = self.config.model.max_logprobs
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=max_lp if max_lp >= 0 else 20)
+        with self.backend.no_grad():
+            hidden = self.executor.run(inputs)
+            rows = hidden[int(step.logits_indices[0])].expand(n, -1).contiguous()
+            logits = self.executor.compute_logits(rows, inputs, n)
+            for slot in slots.tolist():
+                sampling.add_row(slot, params, None)
+            try:
+                ones = np.ones(n, np.int32)
+                self.executor.sample(logits, sampling.make_metadata(slots, self.states.token_ids, ones, ones))
+            finally:
+                for slot in slots.tolist():
+                    sampling.clear_row(slot)
 
     # ---- per-request state ----------------------------------------------------
     def remove_requests(self, slots: list[int]) -> None:
