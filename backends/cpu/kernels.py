@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp")]  # built into one library
+SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}

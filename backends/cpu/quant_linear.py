@@ -1,0 +1,173 @@
+"""Quantized linears on the CPU: GGUF weight blocks run as they are (`quant_gemm.cpp`).
+
+`quantize_model` is the CPU backend's `quantize_model` hook: each "linear" whose
+GGUF type the kernel runs (Q8_0, Q4_0, Q4_1, Q4_K) becomes a `QuantLinear`, and
+a quantized LM head becomes the model's `quantized_lm_head` (the executor's
+logits go through it); other types stay dense.
+
+A `QuantLinear` keeps the blocks (about 4.5 bits a weight for Q4_1) and
+quantizes its input per row to int8 blocks of 32 on every call, so a decode
+step streams the quantized weights once with integer dot products. A step of
+more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
+weight into the input's dtype and runs the dense matmul (oneDNN), which was
+faster there (see `tests/test_cpu_quant_kernels.py`, benchmarks/README.md).
+
+Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): the best the
+kernel library has (the portable build, `POLYRUNNER_CPU_SIMD=0`, stops at
+avx2); `POLYRUNNER_CPU_QUANT_ISA=<name>` forces one (an error if not built).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from polyrunner.backends.cpu import kernels
+
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
+ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+PREFILL_ROWS = 32  # above: dequantise + dense matmul
+_declared: set[int] = set()
+
+
+def library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
+    """The kernel library (default: the backend's, `kernels.paged_attention_kernel()`)
+    with the quantized functions declared; None without one."""
+    lib = lib if lib is not None else kernels.paged_attention_kernel()
+    if lib is not None and id(lib) not in _declared:
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.pr_quant_isa_compiled.argtypes = [i32]
+        lib.pr_quant_isa_compiled.restype = i32
+        lib.pr_quant_best_isa.restype = i32
+        lib.pr_quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, i32]
+        lib.pr_quant_linear.restype = i32
+        lib.pr_quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
+        lib.pr_quant_dequantize.restype = i32
+        _declared.add(id(lib))
+    return lib
+
+
+def isa_unavailable_reason(isa: str, lib: ctypes.CDLL | None = None) -> str | None:
+    """None when path `isa` runs with `lib` (default: the backend's library), else why not."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown instruction-set path {isa!r}; allowed: {', '.join(ISAS)}")
+    lib = library(lib)
+    if lib is None:
+        return "no CPU kernel library (no C++ compiler, or POLYRUNNER_CPU_KERNELS=0)"
+    if not lib.pr_quant_isa_compiled(ISAS[isa]):
+        return f"this kernel build has no {isa} code (the CPU or the portable build lacks it)"
+    return None
+
+
+def default_isa(lib: ctypes.CDLL | None = None) -> str:
+    """`POLYRUNNER_CPU_QUANT_ISA`, else the fastest path `lib` has."""
+    forced = os.environ.get("POLYRUNNER_CPU_QUANT_ISA")
+    if forced:
+        why = isa_unavailable_reason(forced, lib)
+        if why is not None:
+            raise ValueError(f"POLYRUNNER_CPU_QUANT_ISA={forced}: {why}")
+        return forced
+    best = library(lib).pr_quant_best_isa()
+    return next(name for name, i in ISAS.items() if i == best)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (code {rc}: 1 unknown type or path, 2 bad K)")
+
+
+def quant_matmul(qtype: str, blocks: torch.Tensor, in_features: int, x: torch.Tensor,
+                 out_dtype: torch.dtype | None = None, isa: str | None = None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`x [M, K] @ W^T` -> `[M, N]` in `out_dtype` (default x's); W: `blocks` uint8
+    `[N, row_bytes]` of GGUF type `qtype`; x float32 or bfloat16, unit stride on K."""
+    lib = library(lib)
+    isa = isa or default_isa(lib)
+    M, K = x.shape
+    if K != in_features or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32/bfloat16 [M, {in_features}] with unit stride, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty((M, blocks.shape[0]), dtype=out_dtype)
+    _check(lib.pr_quant_linear(QTYPES[qtype], blocks.data_ptr(), blocks.shape[0], K, x.data_ptr(), x.stride(0),
+                               int(x.dtype == torch.bfloat16), M, y.data_ptr(), y.stride(0),
+                               int(out_dtype == torch.bfloat16), ISAS[isa]), "pr_quant_linear")
+    return y
+
+
+def dequantize(qtype: str, blocks: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The weights `[N, K]` in `dtype` (float32 or bfloat16)."""
+    out = torch.empty((blocks.shape[0], in_features), dtype=dtype)
+    _check(library(lib).pr_quant_dequantize(QTYPES[qtype], blocks.data_ptr(), blocks.shape[0], in_features,
+                                            out.data_ptr(), int(dtype == torch.bfloat16)), "pr_quant_dequantize")
+    return out
+
+
+class QuantLinear(nn.Module):
+    """`x @ W^T + bias` with W in GGUF blocks (see the module docstring); the
+    output in `out_dtype`, or the input's dtype when None."""
+
+    def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, lib: ctypes.CDLL | None = None) -> None:
+        super().__init__()
+        if qtype not in QTYPES:
+            raise ValueError(f"GGUF type {qtype!r} has no CPU kernel; allowed: {', '.join(QTYPES)}")
+        self.qtype, self.out_features, self.in_features = qtype, shape[0], shape[1]
+        self.out_dtype = out_dtype
+        self.lib = library(lib)
+        self.isa = default_isa(self.lib)
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            shape = x.shape
+            return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if x.shape[0] > PREFILL_ROWS:
+            y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib))
+            y = y if self.out_dtype is None else y.to(self.out_dtype)
+        else:
+            y = quant_matmul(self.qtype, self.blocks, self.in_features, x, self.out_dtype, self.isa, self.lib)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+
+
+def _module(weight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> QuantLinear | None:
+    if weight.qtype not in QTYPES or weight.shape[1] % 32:
+        return None
+    return QuantLinear(weight.qtype, torch.from_numpy(weight.blocks), weight.shape, bias, out_dtype)
+
+
+def quantize_model(model: nn.Module, weights) -> int:
+    """The CPU backend's `quantize_model`: swap every linear whose type has a kernel
+    for a `QuantLinear`, and set `model.quantized_lm_head` (float32 logits) when
+    the LM head's type has one. Returns how many modules it made (0 without
+    the kernel library)."""
+    if library() is None:
+        return 0
+    n = 0
+    for parent, attr, dense, weight in weights.linears:
+        new = _module(weight, dense.bias)
+        if new is not None:
+            setattr(parent, attr, new)
+            n += 1
+    head = None if weights.lm_head is None else _module(weights.lm_head, None, torch.float32)
+    if head is not None:
+        model.quantized_lm_head = head
+        n += 1
+    return n
+
+
+def quantized_lm_head(model: nn.Module) -> QuantLinear | None:
+    """The LM head `quantize_model` set on `model`, if any."""
+    head = getattr(model, "quantized_lm_head", None)
+    return head if isinstance(head, QuantLinear) else None

@@ -1,0 +1,156 @@
+"""GGUF-quantized linear kernels (backends/cpu/quant_gemm.cpp) against a dequantised reference.
+
+The reference is `gguf.quants.dequantize` (llama.cpp's Python package) of the
+same blocks, multiplied in float64. The kernel quantizes each activation row to
+int8 blocks of 32 (scale max|x| / 127), so an output may differ from the
+reference by at most half a step per activation:
+
+    |y - ref| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|
+
+(plus float32 accumulation and, for bfloat16 output, one rounding). That bound
+is the stated tolerance, checked for every quant type, both kernel builds and
+every instruction-set path; paths the CPU lacks are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from polyrunner.backends.cpu import kernels, quant_linear as ql  # noqa: E402
+
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2)}  # float16 scale offsets per block
+PATHS = [(variant, isa) for variant in ("native", "portable") for isa in ql.ISAS]
+
+
+def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Random blocks (every bit pattern of the integers, Q8_0's -128 included) with sane float16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scales = rng.uniform(0.002, 0.05, size=(rows, cols // block)).astype(np.float16)
+        data[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
+    return data.reshape(rows, -1)
+
+
+def reference(qtype: str, blocks: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x @ W^T in float64 with W dequantised by gguf, the activation-rounding bound)."""
+    w = gguf.quants.dequantize(blocks, Q[qtype]).astype(np.float64)
+    ref = x @ w.T
+    amax = np.abs(x).reshape(x.shape[0], -1, 32).max(-1)               # [M, K/32]
+    wabs = np.abs(w).reshape(w.shape[0], -1, 32).sum(-1)               # [N, K/32]
+    return ref, (amax / 254) @ wabs.T
+
+
+def activations(rng: np.random.Generator, M: int, K: int) -> np.ndarray:
+    x = rng.standard_normal((M, K)) * rng.uniform(0.1, 10, size=(M, 1))
+    x[0, :32] = 0.0                       # an all-zero block (scale 0)
+    if M > 2:
+        x[2] *= 1e3                       # a large row
+    return x.astype(np.float32)
+
+
+def library_or_skip(variant: str, isa: str):
+    lib = kernels.load_library(variant)
+    if lib is None:
+        pytest.skip(f"no {variant} kernel library (no C++ compiler?)")
+    why = ql.isa_unavailable_reason(isa, lib)
+    if why is not None:
+        pytest.skip(f"{variant} build, {isa}: {why}")
+    return lib
+
+
+@pytest.mark.parametrize("variant,isa", PATHS)
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_within_activation_rounding_of_the_dequantised_reference(variant, isa, qtype):
+    lib = library_or_skip(variant, isa)
+    rng = np.random.default_rng([QTYPES.index(qtype), list(ql.ISAS).index(isa)])
+    N, K = 40, 512
+    blocks = random_blocks(rng, qtype, N, K)
+    for M in (1, 2, 3, 4, 5, 9):      # every register tile size, and tails
+        x = activations(rng, M, K)
+        ref, bound = reference(qtype, blocks, x)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            for x_dtype in (torch.float32, torch.bfloat16):
+                xt = torch.from_numpy(x).to(x_dtype)
+                xr = xt.float().numpy().astype(np.float64)
+                ref, bound = reference(qtype, blocks, xr)
+                y = ql.quant_matmul(qtype, torch.from_numpy(blocks), K, xt, out_dtype, isa, lib)
+                assert y.dtype == out_dtype and y.shape == (M, N)
+                y = y.float().numpy()
+                slack = 1e-5 * np.abs(ref).max(1, keepdims=True) + (2**-8 * np.abs(ref)
+                                                                    if out_dtype == torch.bfloat16 else 0)
+                excess = np.abs(y - ref) - (bound * 1.001 + slack)
+                assert excess.max() <= 0, (M, out_dtype, x_dtype, np.unravel_index(excess.argmax(), excess.shape))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_paths_agree_and_dequantize_is_exact(qtype):
+    """Every path sums the same integers: they agree to float32 rounding; the C++ dequantiser
+    equals gguf's exactly (float32) and to one rounding (bfloat16)."""
+    rng = np.random.default_rng(7)
+    N, K = 24, 768 if qtype != "Q4_K" else 512
+    blocks = random_blocks(rng, qtype, N, K)
+    x = torch.from_numpy(activations(rng, 6, K))
+    outs = {}
+    for variant, isa in PATHS:
+        lib = kernels.load_library(variant)
+        if lib is not None and ql.isa_unavailable_reason(isa, lib) is None:
+            outs[variant, isa] = ql.quant_matmul(qtype, torch.from_numpy(blocks), K, x, torch.float32, isa, lib)
+    assert ("portable", "avx2") in outs or not kernels._X86, "the AVX2 path must run on every x86 CPU"
+    base = outs["native", "scalar"]
+    for key, y in outs.items():
+        torch.testing.assert_close(y, base, rtol=1e-5, atol=1e-5 * base.abs().max().item(), msg=str(key))
+    want = gguf.quants.dequantize(blocks, Q[qtype])
+    got = ql.dequantize(qtype, torch.from_numpy(blocks), K, torch.float32)
+    np.testing.assert_array_equal(got.numpy(), want)
+    got16 = ql.dequantize(qtype, torch.from_numpy(blocks), K, torch.bfloat16)
+    assert torch.equal(got16, torch.from_numpy(want).to(torch.bfloat16))
+
+
+def test_quant_linear_module_decode_and_prefill_paths():
+    """Small steps run the integer kernel, large ones dequantise + dense matmul; bias and 3-D inputs."""
+    rng = np.random.default_rng(3)
+    N, K = 48, 256
+    blocks = torch.from_numpy(random_blocks(rng, "Q4_1", N, K))
+    bias = torch.randn(N)
+    mod = ql.QuantLinear("Q4_1", blocks, (N, K), bias)
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), Q.Q4_1))
+    for M in (1, ql.PREFILL_ROWS, ql.PREFILL_ROWS + 1, 100):
+        x = torch.randn(M, K)
+        want = x @ w.T + bias
+        torch.testing.assert_close(mod(x), want, rtol=0.02, atol=0.02 * want.abs().max().item())
+    x3 = torch.randn(2, 5, K)
+    assert mod(x3).shape == (2, 5, N)
+    xb = torch.randn(100, K, dtype=torch.bfloat16)
+    assert mod(xb).dtype == torch.bfloat16
+    assert ql.QuantLinear("Q8_0", torch.from_numpy(random_blocks(rng, "Q8_0", N, K)), (N, K),
+                          out_dtype=torch.float32)(xb[:2]).dtype == torch.float32
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="GGUF type 'Q6_K' has no CPU kernel; allowed: Q4_0, Q4_1, Q8_0, Q4_K"):
+        ql.QuantLinear("Q6_K", torch.zeros(4, 210, dtype=torch.uint8), (4, 256))
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"x must be float32/bfloat16 \[M, 32\]"):
+        ql.quant_matmul("Q4_1", blocks, 32, torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="unknown instruction-set path 'sse9'; allowed: scalar, avx2"):
+        ql.isa_unavailable_reason("sse9")
+
+
+def test_forced_path_env(monkeypatch):
+    monkeypatch.setenv("POLYRUNNER_CPU_QUANT_ISA", "avx2" if kernels._X86 else "scalar")
+    assert ql.default_isa() == ("avx2" if kernels._X86 else "scalar")
+    portable = kernels.load_library("portable")
+    if portable is not None and kernels._X86:
+        monkeypatch.setenv("POLYRUNNER_CPU_QUANT_ISA", "avx512vnni")
+        with pytest.raises(ValueError, match="POLYRUNNER_CPU_QUANT_ISA=avx512vnni: this kernel build has no"):
+            ql.default_isa(portable)
+        monkeypatch.delenv("POLYRUNNER_CPU_QUANT_ISA")
+        assert ql.default_isa(portable) in ("avx2", "scalar")
