@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu.quant_linear import quantized_lm_head
 from polyrunner.plugin_api import GraphExecutor, ModelInputs
 
 logger = logging.getLogger(__name__)
@@ -238,12 +239,12 @@ class CPUExecutor(GraphExecutor):
         self.small_threads = max(1, min(self.threads, int(small))) if small else None
         self._current_threads = None
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
-        self.packed_logits: PackedLinear | None = None
+        self.packed_logits: nn.Module | None = quantized_lm_head(model)  # GGUF blocks, when quantized
         if packing_supported(dtype):
             hint = max(64, min(config.scheduler.max_num_batched_tokens, 2048))
             lm_head_weight = getattr(model, "lm_head_weight", None)   # optional model hook
             weight = None if lm_head_weight is None else lm_head_weight()
-            if weight is not None and weight.dtype == torch.bfloat16:
+            if weight is not None and weight.dtype == torch.bfloat16 and self.packed_logits is None:
                 self.packed_logits = PackedLinear(weight, None, config.scheduler.max_num_seqs)
             n = pack_linears(model, hint)
             logger.debug("packed %d linear layers for oneDNN", n)

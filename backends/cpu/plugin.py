@@ -10,6 +10,7 @@ import torch
 
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
+from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.plugin_api import NULL_BLOCK, Availability, Backend, Capabilities, hookimpl
 
 
@@ -58,6 +59,7 @@ class CPUBackend(Backend):
     name = "cpu"
     priority = 0
     capabilities = Capabilities(graph_mode="eager")
+    supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -104,6 +106,7 @@ class CPUBackend(Backend):
         return CPUExecutor(model, config)
 
     attention = staticmethod(cpu_paged_attention)
+    quantize_model = staticmethod(quantize_model)
 
 
 @hookimpl
