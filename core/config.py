@@ -27,6 +27,9 @@ class ModelConfig(_Strict):
 
     model: str | None = Field(default=None, description="Local Hugging Face folder or .gguf file; None: embedded default")
     dtype: DType = "auto"
+    quantization: Literal["gguf"] | None = Field(
+        default=None, description="vLLM's `quantization`: None runs a quantized checkpoint (GGUF) quantized when the "
+        "backend executes its format and dtype is auto, dequantised otherwise; \"gguf\" demands quantized execution")
     max_model_len: int | None = Field(default=None, ge=1, description="None: the model's own limit")
     seed: int = Field(default=0, ge=0, description="engine seed for requests without their own")
     tokenizer: str | None = None

@@ -32,6 +32,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
+                 quantization: str | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
@@ -41,7 +42,7 @@ class LLM:
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
                  tokenizer: str | None = None, **runner_options) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
                               tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               memory_utilization=gpu_memory_utilization,

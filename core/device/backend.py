@@ -184,6 +184,8 @@ class Backend:
     priority: ClassVar[int] = 0
     capabilities: ClassVar[Capabilities] = Capabilities()
     kv_alignment_bytes: ClassVar[int] = 1
+    # vLLM's name: checkpoint quantization formats `quantize_model` executes (e.g. "gguf")
+    supported_quantization: ClassVar[tuple[str, ...]] = ()
 
     # ---- identity -------------------------------------------------------
     @classmethod
@@ -210,6 +212,16 @@ class Backend:
         if dtype not in self.capabilities.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.capabilities.dtypes)
             raise ValueError(f"dtype {dtype} is not supported by backend {self.name!r}; allowed: {names}")
+
+    def quantize_model(self, model: torch.nn.Module, weights: Any) -> int:
+        """OPTIONAL; at start-up, right after the model is loaded (dense), when the
+        engine runs a checkpoint format listed in `supported_quantization`.
+        `weights` is a `QuantizedModel` (polyrunner.models.gguf.quantized): the
+        model's "linear" modules with their quantized weights, and the LM head's.
+        Swap in modules that compute with them (same call, same result within
+        the quantization's error); leave any you cannot run dense. Returns how
+        many it swapped (default: none)."""
+        return 0
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
         """OPTIONAL. The dtypes this device computes at full speed (not emulated);

@@ -165,10 +165,10 @@ class LlamaForCausalLM(nn.Module):
         yield "rms_norm", self, "norm", self.norm
 
     # ---- weights ---------------------------------------------------------
+    # vLLM's name: fused module -> the checkpoint modules whose rows it stacks, in order
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     _STACKED = {  # HF name part -> (fused param part, shard index)
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+        part: (fused, i) for fused, parts in packed_modules_mapping.items() for i, part in enumerate(parts)}
 
     def _shard_sizes(self, fused: str) -> list[int]:
         a = self.arch

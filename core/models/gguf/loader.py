@@ -11,6 +11,9 @@ loader only reads Hugging Face folders, so a GGUF is converted once into one:
     tokenizer.json           built with `tokenizers` from the vocabulary in the metadata
     tokenizer_config.json    special tokens, add_bos_token, chat template
     generation_config.json   bos / eos ids
+    gguf_quantized.json      where each quantized weight matrix's blocks lie in the
+                             GGUF file (`quantized.py` reads them for backends that
+                             run GGUF blocks as they are)
 
 The result equals what transformers gives for the same file
 (`from_pretrained(dir, gguf_file=...)`): the same dequantized values (through
@@ -60,8 +63,11 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 # Bump when the output of a conversion changes, so old cache entries are not reused.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 MARKER_FILE = "polyrunner_gguf.json"
+QUANTIZED_FILE = "gguf_quantized.json"
+# Types whose matrices are recorded in QUANTIZED_FILE (a backend executes what it can of them).
+DENSE_TYPES = ("F32", "F16", "BF16")
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -109,6 +115,12 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (out / name).unlink(missing_ok=True)
     _write_safetensors(out / "model.safetensors", plan, path)
+    quantized = {p.name: p.quantized for p in plan if p.quantized is not None}
+    if quantized:
+        _write_json(out / QUANTIZED_FILE, {"source": str(path.resolve()), "tensors": quantized})
+        config["polyrunner_gguf"]["quantized_weights"] = QUANTIZED_FILE
+    else:
+        (out / QUANTIZED_FILE).unlink(missing_ok=True)
     _write_json(out / "generation_config.json", gf.generation_config())
     _write_json(out / "config.json", config)
     return out
@@ -178,11 +190,13 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
 
 @dataclass
 class _TensorPlan:
-    """One output tensor: its HF name and shape, and how to compute it."""
+    """One output tensor: its HF name and shape, and how to compute it; for a
+    quantized matrix also where its blocks lie (an entry of QUANTIZED_FILE)."""
 
     name: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    quantized: dict[str, Any] | None = None
 
 
 class _GGUFFile:
@@ -357,7 +371,11 @@ class _GGUFFile:
                         f"{self.path}: tensor {t.name!r} has {shape[0]} rows, expected "
                         f"{permute_heads} heads x {head_dim} = {permute_heads * head_dim}"
                     )
-            plan.append(_TensorPlan(hf_name, shape, _loader(self.path, t, shape, permute_heads)))
+            quantized = None
+            if len(shape) == 2 and t.tensor_type.name not in DENSE_TYPES:
+                quantized = {"type": t.tensor_type.name, "shape": list(shape), "offset": int(t.data_offset),
+                             "nbytes": int(t.n_bytes), "permute_heads": permute_heads}
+            plan.append(_TensorPlan(hf_name, shape, _loader(self.path, t, shape, permute_heads), quantized))
         if unknown:
             raise GGUFError(
                 f"{self.path}: tensors this loader cannot place in a {arch} model: "

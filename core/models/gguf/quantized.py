@@ -1,0 +1,140 @@
+"""Quantized execution of a GGUF model: which weights stay in GGUF blocks.
+
+A converted GGUF folder (`loader.py`) records in `gguf_quantized.json` where
+each quantized matrix's blocks lie in the GGUF file. When quantized execution
+is on (`select_quantization`), the engine reads them (`quantized_model`),
+matched to the model's "linear" modules (a fused linear such as `qkv_proj`
+stacks the rows of its checkpoint parts, named by the model's vLLM-style
+`packed_modules_mapping`) and to the LM head, and hands them to the backend's
+`quantize_model`, which swaps in modules that compute with the blocks as they
+are. Device-neutral: blocks are host numpy bytes; what runs them is the backend's.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from polyrunner.models.gguf.errors import GGUFError
+
+# GGML type -> (weights per block, bytes per block), for the types GGUF files carry.
+_BLOCKS = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight matrix `[out, in]` (`shape`) in GGUF blocks of GGML type `qtype`
+    (e.g. "Q4_1"): `blocks` is uint8 `[out, row_bytes]`, row r holding the blocks
+    of output feature r, in the model's row order (llama.cpp's rotary row
+    permutation of q/k already undone)."""
+
+    qtype: str
+    shape: tuple[int, int]
+    blocks: np.ndarray
+
+
+@dataclass
+class QuantizedModel:
+    """What `Backend.quantize_model` receives: `linears`, one `(parent, attribute,
+    module, weight)` per "linear" of the model (`module` is the dense layer,
+    `setattr(parent, attribute, new)` swaps it; its bias, if any, stays in
+    `module.bias`), and `lm_head`, the `[vocab, hidden]` matrix `compute_logits`
+    multiplies by (the embedding when tied), or None when it is not quantized."""
+
+    linears: list[tuple[nn.Module, str, nn.Module, QuantizedWeight]] = field(default_factory=list)
+    lm_head: QuantizedWeight | None = None
+
+
+def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
+    """"gguf" when the folder is a converted GGUF whose weight matrices are quantized, else None."""
+    gguf = hf_config.get("polyrunner_gguf") or {}
+    return "gguf" if gguf.get("quantized_weights") else None
+
+
+def select_quantization(requested: str | None, dtype: str, hf_config: dict[str, Any], backend: Any) -> str | None:
+    """The quantization the engine runs (None: dequantised weights).
+
+    `requested` is `ModelConfig.quantization`: None runs the checkpoint's format
+    when the backend executes it (`backend.supported_quantization`) and `dtype`
+    is "auto" (an explicit dtype dequantises); "gguf" demands it (vLLM's errors
+    when the checkpoint or the backend disagrees)."""
+    found = checkpoint_quantization(hf_config)
+    supported = tuple(getattr(backend, "supported_quantization", ()))
+    if requested is None:
+        return found if found is not None and found in supported and dtype == "auto" else None
+    if found != requested:
+        raise ValueError(f"Quantization method specified in the model config ({found}) does not match the "
+                         f"quantization method specified in the `quantization` argument ({requested}).")
+    if requested not in supported:
+        raise ValueError(f"{requested} quantization is currently not supported in {backend.name}.")
+    return requested
+
+
+def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dict[str, QuantizedWeight]:
+    """Every quantized matrix of a converted GGUF folder, by Hugging Face tensor
+    name, its blocks read from the GGUF file (q/k rows un-permuted)."""
+    name = (hf_config.get("polyrunner_gguf") or {}).get("quantized_weights")
+    if not name:
+        return {}
+    index = json.loads((Path(folder) / name).read_text())
+    src = Path(index["source"])
+    if not src.is_file():
+        raise GGUFError(f"{folder}: its GGUF file {src} is gone; convert it again")
+    out = {}
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for hf_name, t in index["tensors"].items():
+            rows, cols = t["shape"]
+            per_block, nbytes = _BLOCKS.get(t["type"], (0, 0))
+            if not per_block or cols % per_block or rows * cols // per_block * nbytes != t["nbytes"]:
+                raise GGUFError(f"{src}: tensor {hf_name!r} ({t['type']}, {rows}x{cols}) has {t['nbytes']} bytes")
+            blocks = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"]).reshape(rows, -1).copy()
+            if t["permute_heads"]:
+                half = rows // t["permute_heads"] // 2
+                blocks = blocks.reshape(t["permute_heads"], half, 2, -1).swapaxes(1, 2).reshape(rows, -1).copy()
+            out[hf_name] = QuantizedWeight(t["type"], (rows, cols), blocks)
+    return out
+
+
+def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, Any]) -> QuantizedModel:
+    """Match the folder's quantized matrices to the model's "linear" modules (from
+    its `replaceable_modules()` hook) and its LM head. A fused linear gets its
+    parts' rows stacked when they share one type; otherwise (mixed types, a
+    part not quantized, a shape that disagrees) it is left out and stays dense."""
+    weights = read_quantized_weights(folder, hf_config)
+    names = {id(module): name for name, module in model.named_modules()}
+    packed = getattr(model, "packed_modules_mapping", {})
+    result = QuantizedModel()
+    hook = getattr(model, "replaceable_modules", None)
+    for role, parent, attr, module in (hook() if hook is not None else ()):
+        if role != "linear" or not isinstance(module, nn.Linear):
+            continue
+        prefix, _, leaf = names[id(module)].rpartition(".")
+        parts = [_lookup(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
+        stacked = _stack(parts, (module.out_features, module.in_features))
+        if stacked is not None:
+            result.linears.append((parent, attr, module, stacked))
+    head = "embed_tokens" if hf_config.get("tie_word_embeddings") else "lm_head"
+    result.lm_head = _lookup(weights, head)
+    return result
+
+
+def _lookup(weights: dict[str, QuantizedWeight], module_name: str) -> QuantizedWeight | None:
+    return weights.get(f"model.{module_name}.weight") or weights.get(f"{module_name}.weight")
+
+
+def _stack(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> QuantizedWeight | None:
+    if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
+        return None
+    if sum(p.shape[0] for p in parts) != shape[0] or any(p.shape[1] != shape[1] for p in parts):
+        return None
+    blocks = parts[0].blocks if len(parts) == 1 else np.concatenate([p.blocks for p in parts])
+    return QuantizedWeight(parts[0].qtype, shape, blocks)
