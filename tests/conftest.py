@@ -13,6 +13,11 @@ import torch  # noqa: E402
 # OpenMP barrier stalls when the machine is shared (a 2-core CI box).
 torch.set_num_threads(1)
 
+# Without a GPU, Triton kernels (tests/test_triton_*.py) run under Triton's interpreter; it must be
+# on before anything imports triton (torch may import it on its own, e.g. with torch._dynamo).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import build_tiny_model  # noqa: E402
 
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]

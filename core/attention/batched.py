@@ -11,9 +11,13 @@ returns `[T_pad, Hq, D]`.
   an online softmax over chunks of blocks, so the gathered workspace stays
   below `DECODE_WORKSPACE_BYTES` however long the context is. GQA is folded
   into the query axis (`[B, Hkv, G, D]`), so K/V are never repeated.
-- Prefills run one SDPA per request: a fresh prompt (no cached context)
-  attends to its own k/v with `is_causal`, which lets SDPA pick a flash
-  kernel; a request with cached context attends to its gathered blocks.
+- Prefills run one SDPA per request on 4-D `[1, heads, tokens, dim]` inputs
+  (what the flash and memory-efficient kernels take; 3-D inputs always took
+  the math kernel, which materialises the float32 score matrix): a fresh
+  prompt attends to its own k/v with `is_causal`; a request with cached
+  context attends to its gathered blocks with a lower-right causal bias
+  (`torch.nn.attention.bias.causal_lower_right`, no mask tensor, so fused
+  kernels stay eligible); a sliding window needs a boolean mask.
 - Static decode (`meta.extras[STATIC_DECODE]`, set by the graph executor for
   graph capture): every row is a decode over the full block-table width,
   with no host metadata, so the whole op can be captured in a graph. Rows with
@@ -26,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import causal_mask, gather_context, write_kv
@@ -96,13 +101,20 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     if groups > 1:  # explicit GQA expansion (linear memory) keeps every fused SDPA kernel eligible
         ck, cv = ck.repeat_interleave(groups, dim=1), cv.repeat_interleave(groups, dim=1)
     mask, causal = None, False
-    if seq_len == n and spec.sliding_window is None:
+    if spec.sliding_window is not None:
+        mask = causal_mask(n, seq_len, spec.sliding_window, q.device)
+    elif seq_len == n:
         causal = True  # no mask tensor: flash kernels apply
     else:
-        mask = causal_mask(n, seq_len, spec.sliding_window, q.device)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1),
-                                       attn_mask=mask, is_causal=causal, scale=spec.scale)
-    return o.transpose(0, 1)
+        mask = causal_lower_right(n, seq_len)  # query i at position seq_len - n + i, no tensor
+    o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(ck), _bhsd(cv), attn_mask=mask, is_causal=causal,
+                                       scale=spec.scale)
+    return o[0].transpose(0, 1)
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """`[tokens, heads, dim]` -> `[1, heads, tokens, dim]` (a view; last dim stays contiguous)."""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
