@@ -117,13 +117,14 @@ needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
 @needs_packing
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_linear(monkeypatch, bias):
-    """oneDNN for every batch size: with a bias, or without AMX (forced off here)."""
+    """oneDNN for every batch size: with a bias, or without the small-M kernels (forced off here)."""
     monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
+    monkeypatch.setenv("POLYRUNNER_CPU_DPBF16", "0")
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     with kernels.use_kernels("native"):
         packed = PackedLinear(lin.weight, lin.bias, 64)
-    assert packed.amx is None
+    assert packed.small is None
     for shape in [(1, 96), (37, 96), (64, 96), (130, 96), (3, 5, 96)]:
         x = torch.randn(*shape, dtype=torch.bfloat16)
         torch.testing.assert_close(packed(x), lin(x), atol=1e-2, rtol=1e-2)
@@ -221,7 +222,8 @@ def _tiny_model(folder, attn_op, dtype):
 # allows: (kernel build or None for no library, environment)
 MODEL_PATHS = {
     "amx": ("native", {}),                                  # AMX small-M linears (AMX CPUs)
-    "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0"}),      # oneDNN-packed linears, AVX-512 kernels
+    "dpbf16": ("native", {"POLYRUNNER_CPU_AMX": "0"}),      # AVX512_BF16 small-M linears (no AMX)
+    "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0", "POLYRUNNER_CPU_DPBF16": "0"}),  # oneDNN-packed linears
     "portable": ("portable", {}),                           # an AVX2-only CPU's C++ kernels
     "unpacked": ("native", {"POLYRUNNER_CPU_PACK": "0"}),   # plain F.linear (no oneDNN bf16 packing)
     "unfused": ("native", {"POLYRUNNER_CPU_FUSE": "0"}),    # the model's own elementwise modules
@@ -248,8 +250,10 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
     with kernels.use_kernels(variant):
         if path == "amx" and not kernels.amx_available():
             pytest.skip(f"no AMX linear: {kernels.amx_unavailable_reason()}")
+        if path == "dpbf16" and not kernels.dpbf16_available():
+            pytest.skip(f"no AVX512_BF16 linear: {kernels.dpbf16_unavailable_reason()}")
         packed = path != "unpacked" and packing_supported(dtype)
-        if path in ("amx", "onednn") and not packed:
+        if path in ("amx", "dpbf16", "onednn") and not packed:
             pytest.skip("oneDNN bfloat16 packing unavailable on this CPU: its linears are the [unpacked] case")
         fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
         ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
@@ -257,7 +261,11 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
         executor = CPUExecutor(fast, config)
         linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
         assert all(isinstance(m, PackedLinear) for m in linears) == packed
-        assert any(m.amx is not None for m in linears if isinstance(m, PackedLinear)) == (path == "amx")
+        smalls = {m.small for m in linears if isinstance(m, PackedLinear)}
+        if path in ("amx", "dpbf16"):
+            assert smalls == {path}
+        elif path in ("onednn", "portable", "no_kernels") and packed:
+            assert smalls == {None}
         assert isinstance(fast.layers[0].mlp, FusedMLP) == (path not in ("unfused", "no_kernels"))
         rng = np.random.default_rng(0)
         shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)

@@ -91,7 +91,10 @@ class ThreadGovernor:
 
 # ---- packed weights -------------------------------------------------------------
 class PackedLinear(nn.Module):
-    """A bfloat16 linear layer with its weight pre-packed for oneDNN."""
+    """A bfloat16 linear layer with its weight pre-packed for oneDNN, and for steps
+    of at most `kernels.AMX_MAX_M` rows a second copy for the small-M kernel this
+    CPU has: AMX tiles (`linear_amx.cpp`), else AVX512_BF16 dot products
+    (`linear_bf16.cpp`); `small` names it (None: oneDNN only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
         super().__init__()
@@ -99,16 +102,22 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        # decode-sized steps stream the weight once from an AMX tile-packed copy
-        amx = kernels.amx_pack_bf16(weight) if bias is None and kernels.amx_available() else None
-        self.register_buffer("amx", amx, persistent=False)
+        # decode-sized steps stream the weight once from a copy packed for the small-M kernel
+        small = None
+        if bias is None and kernels.amx_available():
+            small = "amx", kernels.amx_pack_bf16(weight)
+        elif bias is None and kernels.dpbf16_available():
+            small = "dpbf16", kernels.dpbf16_pack_bf16(weight)
+        self.small = small[0] if small is not None and small[1] is not None else None
+        self.register_buffer("small_packed", small[1] if self.small else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        if self.amx is not None and x.shape[0] <= kernels.AMX_MAX_M and x.dtype == torch.bfloat16:
-            y = kernels.amx_linear_bf16(x, self.amx, self.out_features)
+        if self.small is not None and x.shape[0] <= kernels.AMX_MAX_M and x.dtype == torch.bfloat16:
+            small = kernels.amx_linear_bf16 if self.small == "amx" else kernels.dpbf16_linear_bf16
+            y = small(x, self.small_packed, self.out_features)
             if y is not None:
                 return y
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

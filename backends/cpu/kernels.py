@@ -38,7 +38,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp")]  # built into one library
+SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one library
+           Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp")]
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
@@ -141,21 +142,29 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.pr_amx_linear_bf16.restype = ctypes.c_int
     lib.pr_amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.pr_pool_start.restype = ctypes.c_int
+    lib.pr_pool_start.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
+    lib.pr_pool_helpers.restype = ctypes.c_int
+    lib.pr_dpbf16_available.restype = ctypes.c_int
+    lib.pr_dpbf16_pack_bf16.restype = None
+    lib.pr_dpbf16_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.pr_dpbf16_linear_bf16.restype = ctypes.c_int
+    lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     return lib
 
 
 @contextlib.contextmanager
 def use_kernels(variant: str | None):
     """Run the block with the `variant` library ("native", "portable"; None: none,
-    i.e. the reference fallbacks) as the backend's; AMX is probed again. Modules
+    i.e. the reference fallbacks) as the backend's; AMX and AVX512_BF16 are probed again. Modules
     built inside keep what they chose (e.g. a PackedLinear's AMX copy)."""
-    global _lib, _tried, _amx
-    saved = _lib, _tried, _amx
-    _lib, _tried, _amx = (load_library(variant) if variant else None), True, None
+    global _lib, _tried, _amx, _dpbf16
+    saved = _lib, _tried, _amx, _dpbf16
+    _lib, _tried, _amx, _dpbf16 = (load_library(variant) if variant else None), True, None, None
     try:
         yield _lib
     finally:
-        _lib, _tried, _amx = saved
+        _lib, _tried, _amx, _dpbf16 = saved
 
 
 def simd_bf16(lib: ctypes.CDLL | None = None) -> bool:
@@ -227,6 +236,7 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
 _amx: bool | None = None
+_dpbf16: bool | None = None
 
 
 def amx_available() -> bool:
@@ -274,6 +284,64 @@ def amx_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tens
         return None
     y = torch.empty((M, N), dtype=torch.bfloat16)
     if _lib.pr_amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
+        return None
+    return y
+
+
+def start_pool(threads: int, cpus: list[int] | None = None, spin_us: int = 200) -> int:
+    """(Re)start the decode kernels' thread pool (`thread_pool.cpp`) for `threads`
+    threads in all (the caller plus helpers allowed on `cpus`); returns the helpers
+    started (0 without the kernel library)."""
+    lib = paged_attention_kernel()
+    if lib is None:
+        return 0
+    cpus = list(cpus or [])
+    arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
+    return lib.pr_pool_start(max(1, threads), arr, len(cpus), spin_us)
+
+
+def dpbf16_available() -> bool:
+    """Whether the AVX512_BF16 small-M linear can run here."""
+    global _dpbf16
+    if _dpbf16 is None:
+        _dpbf16 = dpbf16_unavailable_reason() is None
+    return _dpbf16
+
+
+def dpbf16_unavailable_reason() -> str | None:
+    """None when the AVX512_BF16 small-M linear (`linear_bf16.cpp`) can run here, else why not."""
+    if os.environ.get("POLYRUNNER_CPU_DPBF16", "1") == "0":
+        return "POLYRUNNER_CPU_DPBF16=0"
+    lib = paged_attention_kernel()
+    if lib is None:
+        return "no CPU kernel library (no C++ compiler, or POLYRUNNER_CPU_KERNELS=0)"
+    if lib.pr_dpbf16_available() == 1:
+        return None
+    if lib is _loaded.get("portable"):
+        return "the portable kernel build has no AVX512_BF16 code"
+    return "the native kernel build has no AVX512_BF16 code: this CPU lacks AVX512F + AVX512_BF16"
+
+
+def dpbf16_pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] bfloat16 in the layout of `linear_bf16.cpp`; None unless
+    N % 16 == 0 and K % 2 == 0."""
+    N, K = weight.shape
+    if N % 16 or K % 2 or weight.dtype != torch.bfloat16:
+        return None
+    w = weight.detach().contiguous()
+    packed = torch.empty(N * K, dtype=torch.bfloat16)
+    _lib.pr_dpbf16_pack_bf16(w.data_ptr(), packed.data_ptr(), N, K)
+    return packed
+
+
+def dpbf16_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor | None:
+    """x[M, K] @ W^T with W packed by `dpbf16_pack_bf16`, on AVX512_BF16 dot products
+    (x: bfloat16, unit stride on K); None when the kernel declines."""
+    M, K = x.shape
+    if x.stride(1) != 1 or x.dtype != torch.bfloat16:
+        return None
+    y = torch.empty((M, N), dtype=torch.bfloat16)
+    if _lib.pr_dpbf16_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
         return None
     return y
 

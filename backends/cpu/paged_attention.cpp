@@ -34,6 +34,12 @@
 #define PR_BF16_DOT 1
 #endif
 
+namespace pr {  // thread_pool.cpp
+using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
+void parallel_for(int64_t n, ChunkFn fn, void* ctx);
+int pool_helpers();
+}  // namespace pr
+
 namespace {
 
 inline float ld(float x) { return x; }
@@ -309,6 +315,229 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
   }
 }
 
+// ---- decode: one query per request, parallel over (request, KV head, context split) ----
+// Each work item reads one KV head's keys and values of a key range once
+// (prefetching the next block while it computes on the current one) for the G
+// query heads that share it. When there are fewer (request, KV head) pairs than
+// twice the threads, long contexts are split into ranges of whole blocks; each
+// split leaves (max, sum, unnormalised output) per query head and a final pass
+// merges them. Items run through `thread_pool.cpp`: a stalled thread holds one item.
+constexpr int64_t DEC_MAX_GD = 4096;  // G * D floats of accumulators per item (on the stack)
+constexpr int64_t DEC_MIN_SPLIT = 64;  // keys per split at least
+
+struct DecodeItem {
+  int64_t r, hk, k0, k1, part;  // request, KV head, key positions [k0, k1), partial slot (-1: final)
+};
+
+template <typename T>
+struct DecodeCall {
+  const T *q, *kc, *vc;
+  T* out;
+  int64_t q_ts, o_ts, bs, Hkv, D, G, bt_stride;
+  const int32_t *qsl, *seq_lens, *bt;
+  float scale;
+  std::vector<DecodeItem> items;
+  float* part;  // [n_parts][G][D + 2]: acc, m, l
+};
+
+// Scores of G query rows (q, head stride D) against keys [ja, jb) of a block (rows
+// k + j * row) and the online-softmax update of m, l, acc[G][D]; generic loops.
+template <typename T>
+inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_t ja, int64_t jb, int64_t G,
+                         int64_t D, float scale, float* m, float* l, float* acc) {
+  float s[64];
+  for (int64_t j0 = ja; j0 < jb; j0 += 64) {
+    const int64_t j1 = std::min(jb, j0 + 64);
+    for (int64_t g = 0; g < G; ++g) {
+      const T* qg = q + g * D;
+      float mx = m[g];
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* kr = k + j * row;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += ld(qg[d]) * ld(kr[d]);
+        s[j - j0] = dot * scale;
+        mx = std::max(mx, s[j - j0]);
+      }
+      const float corr = fast_exp(m[g] - mx);
+      m[g] = mx;
+      float sum = 0.f;
+      for (int64_t j = 0; j < j1 - j0; ++j) {
+        s[j] = fast_exp(s[j] - mx);
+        sum += s[j];
+      }
+      l[g] = l[g] * corr + sum;
+      float* a = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+      for (int64_t j = j0; j < j1; ++j) {
+        const T* vr = v + j * row;
+        const float p = s[j - j0];
+        for (int64_t d = 0; d < D; ++d) a[d] += p * ld(vr[d]);
+      }
+    }
+  }
+}
+
+#ifdef PR_BF16_DOT
+// The same for bfloat16 with D = 32 * NC, 16 keys at a time on AVX512-BF16; V rows
+// are widened once per key for all G heads.
+template <int NC>
+inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t ja,
+                              int64_t jb, int64_t G, float scale, float* m, float* l, float* acc) {
+  constexpr int D = 32 * NC, NV = 2 * NC;
+  for (int64_t c0 = ja - ja % 16; c0 < jb; c0 += 16) {
+    const int64_t a = std::max<int64_t>(ja - c0, 0), b = std::min<int64_t>(jb - c0, 16);
+    const __mmask16 valid = __mmask16(((1u << b) - 1u) & ~((1u << a) - 1u));
+    alignas(64) float p[16][16];  // [g][j]
+    float corr[16];
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 s = scores16<NC>(q + g * D, k + c0 * row, row, a, b, scale);
+      const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
+      corr[g] = fast_exp(m[g] - mx);
+      m[g] = mx;
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+      l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+      _mm512_store_ps(p[g], e);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {  // 4 heads x NV vectors of accumulators in registers
+      const int64_t ng = std::min<int64_t>(4, G - g0);
+      __m512 o[4][NV];
+      for (int64_t g = 0; g < ng; ++g)
+        for (int i = 0; i < NV; ++i)
+          o[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * D + 16 * i), _mm512_set1_ps(corr[g0 + g]));
+      for (int64_t j = a; j < b; ++j) {
+        const uint16_t* vr = v + (c0 + j) * row;
+        __m512 vv[NV];
+        for (int i = 0; i < NV; ++i) vv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * i))), 16));
+        for (int64_t g = 0; g < ng; ++g) {
+          const __m512 pj = _mm512_set1_ps(p[g0 + g][j]);
+          for (int i = 0; i < NV; ++i) o[g][i] = _mm512_fmadd_ps(pj, vv[i], o[g][i]);
+        }
+      }
+      for (int64_t g = 0; g < ng; ++g)
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * i, o[g][i]);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void decode_item(void* ctx, int64_t idx, int) {
+  const DecodeCall<T>& c = *static_cast<const DecodeCall<T>*>(ctx);
+  const DecodeItem& it = c.items[idx];
+  const int64_t G = c.G, D = c.D, bs = c.bs, row = c.Hkv * D;
+  const T* q = c.q + int64_t(c.qsl[it.r]) * c.q_ts + it.hk * G * D;
+  const int32_t* table = c.bt + it.r * c.bt_stride;
+  float acc[DEC_MAX_GD], m[DEC_MAX_GD / 32], l[DEC_MAX_GD / 32];
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.f);
+  for (int64_t b = it.k0 / bs; b * bs < it.k1; ++b) {
+    const int64_t off = (int64_t(table[b]) * bs) * row + it.hk * D;
+    const T* kb = c.kc + off;
+    const T* vb = c.vc + off;
+    if ((b + 1) * bs < it.k1) {  // the next block (elsewhere in memory): its K and V rows of this head
+      const int64_t noff = (int64_t(table[b + 1]) * bs) * row + it.hk * D;
+      for (int64_t j = 0; j < bs; ++j)
+        for (int64_t e = 0; e < D * int64_t(sizeof(T)); e += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(c.kc + noff + j * row) + e);
+          __builtin_prefetch(reinterpret_cast<const char*>(c.vc + noff + j * row) + e);
+        }
+    }
+    const int64_t ja = std::max(it.k0 - b * bs, int64_t(0)), jb = std::min(it.k1 - b * bs, bs);
+#ifdef PR_BF16_DOT
+    if (std::is_same<T, uint16_t>::value && (D == 64 || D == 128)) {
+      const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
+      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
+      const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
+      if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, m, l, acc);
+      else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, m, l, acc);
+      continue;
+    }
+#endif
+    decode_block<T>(q, kb, vb, row, ja, jb, G, D, c.scale, m, l, acc);
+  }
+  if (it.part < 0) {  // the whole context: normalise into out
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+      T* dst = c.out + int64_t(c.qsl[it.r]) * c.o_ts + (it.hk * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) st(dst + d, acc[g * D + d] * inv);
+    }
+    return;
+  }
+  float* p = c.part + it.part * G * (D + 2);
+  for (int64_t g = 0; g < G; ++g) {
+    std::copy(acc + g * D, acc + (g + 1) * D, p + g * (D + 2));
+    p[g * (D + 2) + D] = m[g];
+    p[g * (D + 2) + D + 1] = l[g];
+  }
+}
+
+// Requests [r_begin, r_end) with one query each (seq_len 0: skipped). Returns
+// false when the shapes do not fit the decode kernel (the caller uses `attend`).
+template <typename T>
+bool decode(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, int64_t Hkv, int64_t D,
+            const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride, T* out,
+            int64_t o_ts, int64_t r_begin, int64_t r_end, int64_t Hq, float scale, int64_t window, int threads) {
+  const int64_t G = Hq / Hkv;
+  if (G * D > DEC_MAX_GD || G > 16 || D > 512) return false;
+  for (int64_t r = r_begin; r < r_end; ++r)
+    if (int64_t(qsl[r + 1]) - qsl[r] > 1) return false;
+  DecodeCall<T> c{q, cache, cache + NB * bs * Hkv * D, out, q_ts, o_ts, bs, Hkv, D, G, bt_stride,
+                  qsl, seq_lens, bt, scale, {}, nullptr};
+  int64_t pairs = 0;
+  for (int64_t r = r_begin; r < r_end; ++r) pairs += (qsl[r + 1] > qsl[r] && seq_lens[r] > 0) ? Hkv : 0;
+  const int64_t want = pairs > 0 && pairs < 2 * threads ? (2 * threads + pairs - 1) / pairs : 1;
+  std::vector<std::pair<int64_t, int64_t>> merges;  // (first part, number of parts) per split pair
+  std::vector<int64_t> merge_rh;                    // r * Hkv + hk of each
+  int64_t parts = 0;
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t L = seq_lens[r];
+    if (qsl[r + 1] <= qsl[r] || L <= 0) continue;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    // splits of whole blocks, each at least DEC_MIN_SPLIT keys
+    const int64_t nblk = (L + bs - 1) / bs - lo / bs;
+    int64_t S = std::min(want, std::max<int64_t>(1, (L - lo) / DEC_MIN_SPLIT));
+    S = std::max<int64_t>(1, std::min(S, nblk));
+    for (int64_t hk = 0; hk < Hkv; ++hk) {
+      if (S == 1) {
+        c.items.push_back({r, hk, lo, L, -1});
+        continue;
+      }
+      merges.emplace_back(parts, S);
+      merge_rh.push_back(r * Hkv + hk);
+      const int64_t b0 = lo / bs;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t k0 = std::max(lo, (b0 + nblk * s / S) * bs), k1 = std::min(L, (b0 + nblk * (s + 1) / S) * bs);
+        c.items.push_back({r, hk, k0, k1, parts++});
+      }
+    }
+  }
+  std::vector<float> part(size_t(parts * G * (D + 2)));
+  c.part = part.data();
+  pr::parallel_for(int64_t(c.items.size()), decode_item<T>, &c);
+  for (size_t i = 0; i < merges.size(); ++i) {  // out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+    const int64_t r = merge_rh[i] / Hkv, hk = merge_rh[i] % Hkv;
+    for (int64_t g = 0; g < G; ++g) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < merges[i].second; ++s)
+        M = std::max(M, part[((merges[i].first + s) * G + g) * (D + 2) + D]);
+      float o[512] = {0.f}, lsum = 0.f;
+      for (int64_t s = 0; s < merges[i].second; ++s) {
+        const float* p = &part[((merges[i].first + s) * G + g) * (D + 2)];
+        if (p[D + 1] <= 0.f) continue;
+        const float w = fast_exp(p[D] - M);
+        lsum += w * p[D + 1];
+        for (int64_t d = 0; d < D; ++d) o[d] += w * p[d];
+      }
+      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+      T* dst = out + int64_t(qsl[r]) * o_ts + (hk * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) st(dst + d, o[d] * inv);
+    }
+  }
+  return true;
+}
+
 template <typename T>
 void run(void* q, int64_t q_ts, void* k, int64_t k_ts, void* v, int64_t v_ts, void* cache,
          int64_t NB, int64_t bs, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots,
@@ -318,7 +547,9 @@ void run(void* q, int64_t q_ts, void* k, int64_t k_ts, void* v, int64_t v_ts, vo
   if (num_write > 0)
     write_kv<T>(static_cast<const T*>(k), k_ts, static_cast<const T*>(v), v_ts,
                 static_cast<T*>(cache), NB * bs, slots, num_write, Hkv, D);
-  if (r_end > r_begin)
+  if (r_end > r_begin && !decode<T>(static_cast<const T*>(q), q_ts, static_cast<const T*>(cache), NB, bs, Hkv, D,
+                                    qsl, seq_lens, bt, bt_stride, static_cast<T*>(out), o_ts, r_begin, r_end, Hq,
+                                    scale, window, pr::pool_helpers() + 1))
     attend<T>(static_cast<const T*>(q), q_ts, static_cast<const T*>(cache), NB, bs, Hkv, D, qsl,
               seq_lens, bt, bt_stride, static_cast<T*>(out), o_ts, r_begin, r_end, Hq, scale,
               window);

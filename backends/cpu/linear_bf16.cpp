@@ -1,0 +1,164 @@
+// Small-M bfloat16 linear on AVX512_BF16 (vdpbf16ps), for CPUs without AMX:
+// y[M, N] = x[M, K] @ w[N, K]^T.
+//
+// Decode steps multiply a few rows by every weight of the model, so they are
+// bound by reading the weights: each weight is streamed from memory exactly once
+// per call. Weights are packed at load time (`pr_dpbf16_pack_bf16`) into VNNI
+// pairs, 64 output features per group, one contiguous stream per group:
+//   wp[N / 64][K / 2][64][2]: group g, pair kp, column c holds w[64g + c][2kp], w[64g + c][2kp + 1]
+// so one 64-byte load is 16 columns x 1 pair, and one vdpbf16ps with the
+// broadcast pair (x[m][2kp], x[m][2kp + 1]) adds it into 16 fp32 sums.
+//
+// Register blocking: up to 6 rows x 4 column blocks of accumulators; a task is
+// one group (64 output features) over every row, so what a task streams from
+// memory (prefetched PF pairs ahead) is reused from L1/L2 by its later row passes.
+// Threads: the tasks are shared out in chunks (about 8 per thread) through
+// `thread_pool.cpp`, so a thread descheduled on a shared host delays only the
+// chunk it holds while the others take the rest. fp32 accumulation, one rounding to bfloat16
+// (nearest even) at the end.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+#define PR_DPBF16 1
+#endif
+
+namespace pr {  // thread_pool.cpp
+using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
+void parallel_for(int64_t n, ChunkFn fn, void* ctx);
+int pool_helpers();
+}  // namespace pr
+
+#ifdef PR_DPBF16
+namespace {
+constexpr int MR_MAX = 6, NC_MAX = 4;
+#ifndef PR_PF
+#define PR_PF 32
+#endif
+constexpr int64_t PF = PR_PF;  // pairs prefetched ahead (PF * 256 bytes)
+
+// rows [0, MR) of x (row stride x_ts) times NC column blocks starting at `w`
+// (block stride bstride elements) -> y (row stride y_ts), columns [0, 16 * NC).
+template <int MR, int NC>
+void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t npairs, uint16_t* y, int64_t y_ts) {
+  __m512 acc[MR][NC];
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < npairs; ++kp) {
+    const uint16_t* wk = w + kp * 32 * NC;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 32 * NC), _MM_HINT_T0);
+    if (NC > 2) _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 32 * NC + 64), _MM_HINT_T0);
+    __m512bh wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wk + c * 32);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * x_ts + 2 * kp, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xb, wv[c]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < NC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * y_ts + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(acc[i][c]));
+}
+
+using Micro = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+
+template <int NC>
+Micro pick_rows(int mr) {
+  switch (mr) {
+    case 1: return micro<1, NC>;
+    case 2: return micro<2, NC>;
+    case 3: return micro<3, NC>;
+    case 4: return micro<4, NC>;
+    case 5: return micro<5, NC>;
+    default: return micro<6, NC>;
+  }
+}
+
+Micro pick(int mr, int nc) {
+  switch (nc) {
+    case 1: return pick_rows<1>(mr);
+    case 2: return pick_rows<2>(mr);
+    case 3: return pick_rows<3>(mr);
+    default: return pick_rows<4>(mr);
+  }
+}
+
+struct Call {
+  const uint16_t* x;
+  int64_t x_ts;
+  const uint16_t* wp;
+  uint16_t* y;
+  int64_t y_ts, M, nblocks, npairs, per_chunk;
+};
+
+// Tasks [chunk * per_chunk, ...): each one group of up to NC_MAX blocks, every row.
+void run_chunk(void* ctx, int64_t chunk, int) {
+  const Call& c = *static_cast<const Call*>(ctx);
+  const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
+  const int64_t t1 = std::min(ntasks, (chunk + 1) * c.per_chunk);
+  for (int64_t t = chunk * c.per_chunk; t < t1; ++t) {
+    const int64_t nb0 = t * NC_MAX;
+    const int nc = int(std::min<int64_t>(c.nblocks - nb0, NC_MAX));
+    const uint16_t* w = c.wp + nb0 * 32 * c.npairs;
+    for (int64_t m0 = 0; m0 < c.M; m0 += MR_MAX) {
+      const int mr = int(std::min<int64_t>(c.M - m0, MR_MAX));
+      pick(mr, nc)(c.x + m0 * c.x_ts, c.x_ts, w, c.npairs, c.y + m0 * c.y_ts + nb0 * 16, c.y_ts);
+    }
+  }
+}
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 when the AVX512_BF16 linear is compiled in (not PR_PORTABLE, the build CPU has it), else 0.
+int pr_dpbf16_available() {
+#ifdef PR_DPBF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// w[N, K] (row-major) -> wp[N / 64][K / 2][64][2] (the last group narrower when N % 64 != 0):
+// group g, pair kp holds w[64g + c][2kp], w[64g + c][2kp + 1] for its columns c.
+// Needs N % 16 == 0 and K % 2 == 0.
+void pr_dpbf16_pack_bf16(const uint16_t* w, uint16_t* wp, int64_t N, int64_t K) {
+  const int64_t npairs = K / 2, ngroups = (N + 63) / 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const int64_t n0 = 64 * g, nc = (N - n0 < 64 ? N - n0 : 64);
+    uint16_t* dst = wp + n0 * K;
+    for (int64_t kp = 0; kp < npairs; ++kp)
+      for (int64_t c = 0; c < nc; ++c) {
+        dst[(kp * nc + c) * 2] = w[(n0 + c) * K + 2 * kp];
+        dst[(kp * nc + c) * 2 + 1] = w[(n0 + c) * K + 2 * kp + 1];
+      }
+  }
+}
+
+// y[m, n] (row stride y_ts) for m < M, n < N; x rows of K with stride x_ts; wp packed
+// by pr_dpbf16_pack_bf16 (N % 16 == 0, K % 2 == 0). Returns 0 on success, 1 when not
+// compiled in or the shapes are not supported.
+int pr_dpbf16_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, uint16_t* y, int64_t y_ts,
+                          int64_t M, int64_t N, int64_t K) {
+#ifdef PR_DPBF16
+  if (M < 1 || N % 16 || K % 2) return 1;
+  Call c{x, x_ts, wp, y, y_ts, M, N / 16, K / 2, 0};
+  const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
+  const int64_t threads = N * K >= 65536 ? pr::pool_helpers() + 1 : 1;
+  c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (8 * threads)) : ntasks;
+  pr::parallel_for(threads > 1 ? (ntasks + c.per_chunk - 1) / c.per_chunk : 1, run_chunk, &c);
+  return 0;
+#else
+  (void)x, (void)x_ts, (void)wp, (void)y, (void)y_ts, (void)M, (void)N, (void)K;
+  return 1;
+#endif
+}
+}

@@ -1,0 +1,70 @@
+"""How many threads the CPU backend runs, and where.
+
+- Count: `POLYRUNNER_CPU_THREADS` (default "auto": one thread per physical core
+  this process may use -- SMT siblings share a core's load/store and vector units,
+  and a decode step is bound by memory bandwidth, so a second thread per core
+  only adds synchronisation).
+- Affinity: the decode kernels' helper threads (`thread_pool.cpp`) may run on one
+  CPU of each physical core (the lowest-numbered sibling), not pinned to a single
+  one: on a shared host a thread pinned to a busy core could not move.
+- A slow thread does not stall a step: the pool lets the caller and whichever
+  helpers are running share a call's chunks, and returns once every chunk is
+  done; a helper that wakes late finds nothing left. `POLYRUNNER_CPU_SPIN_US`
+  (default 200) is how long an idle helper spins before sleeping.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def physical_cpus(cpus: list[int] | None = None, sys_cpu: Path = SYS_CPU) -> list[int]:
+    """One CPU per physical core among `cpus` (default: the usable ones): the
+    lowest-numbered of each core's SMT siblings (`topology/thread_siblings_list`);
+    a CPU whose topology cannot be read counts as its own core."""
+    cpus = usable_cpus() if cpus is None else sorted(cpus)
+    first: dict[str, int] = {}
+    for cpu in cpus:
+        try:
+            key = (sys_cpu / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
+        except OSError:
+            key = f"cpu{cpu}"
+        first.setdefault(key, cpu)
+    return sorted(first.values())
+
+
+def default_threads() -> int:
+    """`POLYRUNNER_CPU_THREADS`, or the number of physical cores ("auto", the default)."""
+    setting = os.environ.get("POLYRUNNER_CPU_THREADS", "auto")
+    if setting == "auto":
+        return max(1, len(physical_cpus()))
+    try:
+        value = int(setting)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"POLYRUNNER_CPU_THREADS must be 'auto' or an integer >= 1, got {setting!r}")
+    return value
+
+
+def spin_us() -> int:
+    """`POLYRUNNER_CPU_SPIN_US` (default 200): how long an idle pool helper spins before sleeping."""
+    setting = os.environ.get("POLYRUNNER_CPU_SPIN_US", "200")
+    try:
+        value = int(setting)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"POLYRUNNER_CPU_SPIN_US must be an integer >= 0, got {setting!r}")
+    return value

@@ -1,0 +1,137 @@
+"""The CPU backend's decode kernels against torch references, on each kernel
+build (`cpu_kernels`: AVX-512 BF16 where the CPU has it, and the portable
+loops): the AVX512_BF16 small-M linear, the multi-request decode attention
+(split contexts merged, the thread pool sharing the work), the greedy argmax."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
+from polyrunner.attention.reference import reference_paged_attention
+from polyrunner.backends.cpu import kernels
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
+def pool_threads(request, cpu_kernels):
+    """The library's thread pool started with that many threads (1: the caller alone)."""
+    assert cpu_kernels.pr_pool_start(request.param, None, 0, 200) == request.param - 1
+    yield request.param
+    cpu_kernels.pr_pool_start(1, None, 0, 200)
+
+
+# ---- AVX512_BF16 small-M linear ---------------------------------------------------
+def _dpbf16(lib):
+    if lib.pr_dpbf16_available() != 1:
+        pytest.skip("no AVX512_BF16 linear in this build: the portable build, or a CPU without "
+                    "AVX512F + AVX512_BF16 (oneDNN runs the linears there)")
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13, 16, 33, 64])
+@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (960, 576), (80, 96), (576, 1536), (4096, 576)])
+def test_dpbf16_linear_matches_matmul(cpu_kernels, pool_threads, M, N, K):
+    _dpbf16(cpu_kernels)
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / 8).to(torch.bfloat16)
+    with kernels.use_kernels("native"):
+        y = kernels.dpbf16_linear_bf16(x, kernels.dpbf16_pack_bf16(w), N)
+    ref = (x.float() @ w.float().T).to(torch.bfloat16)  # fp32 accumulation, one rounding
+    torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+
+
+def test_dpbf16_linear_strided_rows_and_declines(cpu_kernels):
+    _dpbf16(cpu_kernels)
+    with kernels.use_kernels("native"):
+        x = torch.randn(5, 128).to(torch.bfloat16)[:, :64]  # row stride 128
+        w = torch.randn(32, 64).to(torch.bfloat16)
+        y = kernels.dpbf16_linear_bf16(x, kernels.dpbf16_pack_bf16(w), 32)
+        torch.testing.assert_close(y, (x.float() @ w.float().T).to(torch.bfloat16), atol=2e-2, rtol=1.6e-2)
+        assert kernels.dpbf16_pack_bf16(torch.randn(24, 64).to(torch.bfloat16)) is None  # N % 16
+        assert kernels.dpbf16_pack_bf16(torch.randn(32, 7).to(torch.bfloat16)) is None   # K % 2
+        assert kernels.dpbf16_linear_bf16(x.float(), kernels.dpbf16_pack_bf16(w), 32) is None
+
+
+def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
+    """Without AMX a PackedLinear takes the AVX512_BF16 copy for small steps and oneDNN above."""
+    from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+    _dpbf16(cpu_kernels)
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")
+    monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
+    w = (torch.randn(192, 128) / 8).to(torch.bfloat16)
+    with kernels.use_kernels("native"):
+        lin = PackedLinear(w, None, 64)
+        assert lin.small == "dpbf16"
+        x = torch.randn(80, 128).to(torch.bfloat16)
+        full = lin(x)  # oneDNN
+        torch.testing.assert_close(lin(x[:7]), full[:7], atol=2e-2, rtol=1.6e-2)
+
+
+# ---- decode attention ---------------------------------------------------------------
+def _decode_batch(rng, ctx: list[int], block_size: int, num_blocks: int, pad_reqs: int = 0) -> AttentionMetadata:
+    """One query per request over random, non-overlapping block tables (then padded requests)."""
+    R = len(ctx)
+    max_blocks = max(-(-L // block_size) for L in ctx)
+    free = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((R + pad_reqs, max_blocks), np.int32)
+    used = 0
+    for r, L in enumerate(ctx):
+        nb = -(-L // block_size)
+        tables[r, :nb] = free[used:used + nb]
+        used += nb
+    qsl = np.concatenate([np.arange(R + 1), np.full(pad_reqs, R)]).astype(np.int32)
+    seq_lens = np.concatenate([ctx, np.zeros(pad_reqs)]).astype(np.int32)
+    pos = np.asarray(ctx, np.int64) - 1
+    slots = tables[np.arange(R), pos // block_size].astype(np.int64) * block_size + pos % block_size
+    t = torch.from_numpy
+    return AttentionMetadata(
+        num_actual_tokens=R, num_reqs=R, num_decodes=R, max_query_len=1, max_seq_len=max(ctx),
+        query_start_loc=t(qsl), seq_lens=t(seq_lens), block_tables=t(tables), slot_mapping=t(slots),
+        positions=t(pos), token_to_req=t(np.arange(R, dtype=np.int32)), query_start_loc_np=qsl,
+        seq_lens_np=seq_lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [[700], [1, 300], [17, 500, 64], [5, 9, 200, 33, 1000, 2, 128, 77, 64]])
+@pytest.mark.parametrize("heads,kv_heads,head,block_size,window",
+                         [(9, 3, 64, 16, None), (8, 2, 128, 16, 100), (4, 4, 96, 32, None), (6, 1, 80, 16, 300)])
+def test_decode_attention_matches_reference(cpu_kernels, pool_threads, dtype, ctx, heads, kv_heads, head,
+                                            block_size, window):
+    """Every request one query, contexts long enough to be split across threads
+    (fewer (request, KV head) pairs than threads) and merged."""
+    from polyrunner.backends.cpu.attention import cpu_paged_attention
+    rng = np.random.default_rng(len(ctx) * 7 + head)
+    torch.manual_seed(0)
+    num_blocks = sum(-(-L // block_size) for L in ctx) + 8
+    meta = _decode_batch(rng, ctx, block_size, num_blocks)
+    R = len(ctx)
+    q = torch.randn(R, heads, head, dtype=dtype)
+    k, v = torch.randn(R, kv_heads, head, dtype=dtype), torch.randn(R, kv_heads, head, dtype=dtype)
+    spec = LayerSpec(heads, kv_heads, head, head ** -0.5, window)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype)
+    cache_ref = cache.clone()
+    expected = reference_paged_attention(q, k, v, cache_ref, meta, spec)
+    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
+        got = cpu_paged_attention(q, k, v, cache, meta, spec)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, expected, **tol)
+    assert torch.equal(cache, cache_ref)
+
+
+def test_decode_attention_skips_padded_requests(cpu_kernels, pool_threads):
+    rng = np.random.default_rng(5)
+    meta = _decode_batch(rng, [300, 40], 16, 40, pad_reqs=3)
+    q = torch.randn(2, 9, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    spec = LayerSpec(9, 3, 64, 0.125, None)
+    cache = torch.randn(2, 40, 16, 3, 64, dtype=torch.bfloat16)
+    expected = reference_paged_attention(q, k, v, cache.clone(), meta, spec)
+    out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
+    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
+        kernels.paged_attention_op(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                                   meta.block_tables, out, spec.scale, 0)
+    torch.testing.assert_close(out[:2], expected, atol=2e-2, rtol=2e-2)
+    assert torch.all(out[2:] == 0)
