@@ -9,17 +9,21 @@
   plain `F.linear` path (what inductor's freezing pass does, done eagerly).
   Steps of at most `kernels.AMX_MAX_M` rows (decodes) use an AMX tile-packed
   copy instead (`linear_amx.cpp`, weights streamed once; measured ~15% faster than
-  oneDNN at 1-32 rows, ~10% at 64; `POLYRUNNER_CPU_AMX=0` turns it off).
+  oneDNN at 1-32 rows, ~10% at 64; `POLYRUNNER_CPU_AMX=0` turns it off), or on a
+  CPU with AVX512_BF16 but no AMX a VNNI-pair copy for `vdpbf16ps` (`linear_bf16.cpp`;
+  `POLYRUNNER_CPU_DPBF16=0` turns it off). AVX2-only CPUs keep oneDNN.
 - bfloat16 RMSNorm (also fused with the residual add before it), rotary
   embedding (in place) and `silu(gate) * up` run as single C++ passes
   (`paged_attention.cpp`) with Hugging Face's exact roundings.
-- Threads: a step uses `POLYRUNNER_CPU_THREADS` threads (default "auto": every
-  CPU this process may use that other processes are not busy on, re-checked
-  from /proc/stat every half second); `POLYRUNNER_CPU_SMALL_STEP_THREADS` pins
-  steps of at most 16 tokens to a fixed count. An OpenMP region waits for its
-  slowest thread, so a thread whose core another process holds stalls every
-  matmul for a scheduler time slice: on a shared 2-core host two threads ran
-  steps up to 5x slower than one, while on an idle one they doubled bandwidth.
+- Threads (`threads.py`): `POLYRUNNER_CPU_THREADS`, default "auto": one per
+  physical core. torch/oneDNN ops (prefill) run on OpenMP with that many threads,
+  less those other processes kept busy (`ThreadGovernor`, from /proc/stat every
+  half second); `POLYRUNNER_CPU_SMALL_STEP_THREADS` pins steps of at most 16
+  tokens to a fixed count. An OpenMP region waits for its slowest thread, so on a
+  shared host a thread whose core another process holds stalls it for a time
+  slice; the decode kernels (small-M linears, decode attention, greedy argmax)
+  therefore run on a work-sharing pool (`thread_pool.cpp`) that never waits for a
+  thread that has not started.
 - No graphs: steps here are bound by memory bandwidth (weights + KV) and by
   oneDNN's small-M matmul rate; eager dispatch is a small part of a step (see
   benchmarks/README.md).
@@ -33,9 +37,9 @@ import time
 import torch
 from torch import nn
 
-from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu import kernels, threads
 from polyrunner.backends.cpu.quant_linear import quantized_lm_head
-from polyrunner.plugin_api import GraphExecutor, ModelInputs
+from polyrunner.plugin_api import GraphExecutor, ModelInputs, Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +245,12 @@ def fuse_elementwise(model: nn.Module) -> int:
 class CPUExecutor(GraphExecutor):
     def __init__(self, model: nn.Module, config) -> None:
         super().__init__(model)
-        setting = os.environ.get("POLYRUNNER_CPU_THREADS", "auto")
-        self.threads = available_cpus() if setting == "auto" else max(1, int(setting))
-        self.governor = ThreadGovernor(self.threads) if setting == "auto" else None
+        self.threads = threads.default_threads()  # one per physical core (see threads.py)
+        auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
+        self.governor = ThreadGovernor(self.threads) if auto else None
+        # the decode kernels' work-sharing pool: helpers on one CPU per physical core
+        kernels.start_pool(self.threads, threads.physical_cpus() if auto else None, threads.spin_us())
+        self._sampler = Sampler(argmax=kernels.argmax_f32)
         small = os.environ.get("POLYRUNNER_CPU_SMALL_STEP_THREADS")
         self.small_threads = max(1, min(self.threads, int(small))) if small else None
         self._current_threads = None
@@ -273,6 +280,11 @@ class CPUExecutor(GraphExecutor):
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         self._set_threads(inputs.input_ids.shape[0])
         return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+
+    # ---- sampling -----------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The core sampler, with greedy rows' argmax in C++ (`argmax.cpp`)."""
+        return self._sampler(logits[:meta.num_reqs], meta)
 
     # ---- logits -------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor, inputs: ModelInputs, num_reqs: int) -> torch.Tensor:

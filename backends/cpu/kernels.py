@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one library
-           Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp")]
+           Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
+           Path(__file__).with_name("argmax.cpp")]
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
@@ -145,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_pool_start.restype = ctypes.c_int
     lib.pr_pool_start.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.pr_pool_helpers.restype = ctypes.c_int
+    lib.pr_argmax_f32.restype = None
+    lib.pr_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.pr_dpbf16_available.restype = ctypes.c_int
     lib.pr_dpbf16_pack_bf16.restype = None
     lib.pr_dpbf16_pack_bf16.argtypes = [ptr, ptr, i64, i64]
@@ -298,6 +301,19 @@ def start_pool(threads: int, cpus: list[int] | None = None, spin_us: int = 200) 
     cpus = list(cpus or [])
     arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
     return lib.pr_pool_start(max(1, threads), arr, len(cpus), spin_us)
+
+
+def argmax_f32(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` (first maximum, NaN counting as the maximum) of a 2-D
+    float32 tensor with unit stride on the last dim, by `argmax.cpp`; torch's own
+    argmax for anything else or without the kernel library."""
+    lib = paged_attention_kernel()
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(-1) != 1
+            or logits.shape[1] == 0 or logits.device.type != "cpu"):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.pr_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
 
 
 def dpbf16_available() -> bool:

@@ -18,6 +18,7 @@ Order (vLLM V1):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -92,16 +93,18 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
     return logits
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata,
-           return_final: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, meta: SamplingMetadata, return_final: bool = False,
+           argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Tokens from processed logits: greedy rows argmax, random rows sampled.
 
     `return_final`: also return the logits the tokens were drawn from (after
     temperature, top-k/top-p and min-p when some row is random), as (tokens, logits).
+    `argmax`: replaces `logits.argmax(dim=-1)` for the greedy rows (see `Sampler`).
     """
     greedy = None
     if not meta.all_random:
-        greedy = logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1) if argmax is None else argmax(logits)
         if meta.all_greedy:
             return (greedy, logits) if return_final else greedy
     assert meta.temperature is not None
@@ -120,12 +123,17 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
 
 
 class Sampler:
-    """Stateless; all per-request state comes in `SamplingMetadata`."""
+    """Stateless; all per-request state comes in `SamplingMetadata`. `argmax`: a
+    backend's faster `logits.argmax(dim=-1)` over float32 [R, V] (int64 [R], the
+    first maximum, NaN counting as the maximum), used for greedy rows."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         if meta.max_num_logprobs is None:
-            return SamplerOutput(sample(apply_logits_processors(logits, meta), meta), None)
+            return SamplerOutput(sample(apply_logits_processors(logits, meta), meta, argmax=self.argmax), None)
         mode = meta.logprobs_mode
         if mode == "raw_logprobs":
             values = compute_logprobs(logits)
@@ -135,8 +143,8 @@ class Sampler:
             raise ValueError(f"unknown logprobs_mode {mode!r}")
         processed = apply_logits_processors(logits, meta)
         if mode.startswith("processed"):
-            sampled, final = sample(processed, meta, return_final=True)
+            sampled, final = sample(processed, meta, return_final=True, argmax=self.argmax)
             values = final if mode == "processed_logits" else compute_logprobs(final)
         else:
-            sampled = sample(processed, meta)
+            sampled = sample(processed, meta, argmax=self.argmax)
         return SamplerOutput(sampled, gather_logprobs(values, meta.max_num_logprobs, sampled))
