@@ -28,7 +28,9 @@ class LLM:
     what the sampled logprobs hold ("raw_logprobs", "raw_logits",
     "processed_logprobs", "processed_logits"); `scheduling_policy` "fcfs" or
     "priority" (with `generate(..., priority=[...])`); `long_prefill_token_threshold`
-    caps the tokens a prefill computes in one step (0: no cap).
+    caps the tokens a prefill computes in one step (0: no cap); `async_scheduling`
+    schedules and prepares the next step while the device runs this one (None: when
+    the backend's `Capabilities.async_scheduling` allows it).
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
@@ -40,7 +42,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
-                 tokenizer: str | None = None, **runner_options) -> None:
+                 tokenizer: str | None = None, async_scheduling: bool | None = None, **runner_options) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
                               tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
@@ -51,7 +53,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
-                                      policy=scheduling_policy),
+                                      policy=scheduling_policy, async_scheduling=async_scheduling),
             runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options))
         self.engine = LLMEngine(config)
 

@@ -1,5 +1,8 @@
 """LLMEngine: validate and admit requests, step the scheduler and the runner,
-return outputs. Synchronous: one `step()` runs one batch."""
+return outputs. One `step()` runs one batch; with asynchronous scheduling
+(`async_scheduling`, by default the backend's capability) it first queues the
+next batch, so the host schedules and prepares step N+1 while step N runs on the
+device, and returns step N's outputs."""
 
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import get_plugin_manager, select_backend
 from polyrunner.engine.request import Request, RequestStatus
-from polyrunner.runner.model_runner import ModelRunner
+from polyrunner.runner.async_output import AsyncModelRunnerOutput
+from polyrunner.runner.model_runner import ModelRunner, ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
-from polyrunner.engine.scheduler import Scheduler
+from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
 from polyrunner.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ class LLMEngine:
         self.config = config
         self.backend = select_backend(config.runner.backend)
         get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
+        self.async_scheduling = self._async_scheduling()
         self.model_folder = resolve_model_folder(config.model.model)
         hf_config = read_hf_config(self.model_folder)
         self.arch = DecoderArch.from_hf_config(hf_config)
@@ -69,8 +74,20 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
-        logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d",
-                    self.backend.name, self.dtype, self.max_model_len, num_blocks)
+        self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None   # asynchronous only
+        logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
+                    self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
+
+    def _async_scheduling(self) -> bool:
+        """The configured `async_scheduling`, else the backend's capability; True on a
+        backend without the capability is a ValueError."""
+        wanted = self.config.scheduler.async_scheduling
+        able = self.backend.capabilities.async_scheduling
+        if wanted and not able:
+            raise ValueError(f"async_scheduling=True is not supported by backend {self.backend.name!r} "
+                             "(its Capabilities.async_scheduling is False: the device->host copy of "
+                             "sampled tokens blocks); allowed: False or None")
+        return able if wanted is None else wanted
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -204,23 +221,48 @@ class LLMEngine:
         self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests still to finish, or (asynchronous scheduling) a step still in flight."""
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # ---- stepping -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> execute -> update -> outputs -> finish stop-string
         hits. Returns the outputs of requests that advanced (streaming ones every
         step, the others once finished). Finished requests' state leaves the
-        runner in this same step."""
+        runner in this same step. Asynchronously, the batch whose outputs return
+        is the one queued by the previous call (the first call queues two), and
+        its stop rules apply after the next batch was queued: a request that
+        stopped ran one extra token there, which is dropped."""
+        if self.async_scheduling:
+            return self._step_async()
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        result = self.runner.execute(so)
-        failed = [self._fail(so.requests[row], error) for row, error in result.errors.items()]
+        return self._process(so, self.runner.execute(so))
+
+    def _step_async(self) -> list[RequestOutput]:
+        queued = self._queue()
+        if self._in_flight is None:   # nothing to overlap with yet: queue the next batch too
+            if queued is None:
+                return []
+            self._in_flight, queued = queued, self._queue()
+        (so, pending), self._in_flight = self._in_flight, queued
+        return self._process(so, pending.get_output())
+
+    def _queue(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
+        so = self.scheduler.schedule()
+        return None if so.is_empty else (so, self.runner.execute_async(so))
+
+    def _process(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Update the scheduler and the outputs with a step's result; requests that
+        finished (or were aborted) while it was in flight get nothing from it."""
+        failed = [self._fail(so.requests[row], error) for row, error in result.errors.items()
+                  if not so.requests[row].finished]
         update = self.scheduler.update(so, result.tokens)
         finished = update.finished + failed
         for rid, rows in result.prompt_logprobs.items():
-            self.outputs.add_prompt_logprobs(rid, rows)
+            if self.outputs.parent_id(rid) is not None:
+                self.outputs.add_prompt_logprobs(rid, rows)
         for req, stop in self.outputs.process(update.advanced, result.logprobs):
             if not req.finished:
                 finished.append(req)

@@ -4,12 +4,15 @@ padded inputs -> backend execution -> core sampling -> sampled tokens.
 Everything here is numpy on the host and plain torch on `backend.device`; the
 backend supplies padding, KV allocation, attention, graph execution and
 transfers, and may supply its own sampling function (`GraphExecutor.sample`).
+
+`execute` runs a step and waits for its tokens. `execute_async` queues a step
+and returns at once (`AsyncModelRunnerOutput`): the next step, prepared while
+this one runs, reads this one's tokens on the device (asynchronous scheduling).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,24 +23,13 @@ from polyrunner.device.backend import Backend, ModelInputs
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.models.arch import DecoderArch
+from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
+from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
 from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
 from polyrunner.runner.states import RequestStates
 from polyrunner.sample import SamplingState, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
-
-LogprobRow = tuple[list[int], list[float], int]   # token ids, logprobs, rank of the first
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One step's results, by batch row of the scheduler output."""
-
-    tokens: np.ndarray                                   # [R] int64; rows that ran a partial prefill: ignore
-    logprobs: dict[str, LogprobRow] = field(default_factory=dict)               # req_id -> sampled token's
-    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)  # req_id -> this step's chunk
-    errors: dict[int, str] = field(default_factory=dict)  # batch row -> why its request failed (own code)
-
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Backend, model: torch.nn.Module,
@@ -59,8 +51,11 @@ class ModelRunner:
                                  backend.make_generator(config.model.seed), config.model.logprobs_mode)
         self.states = RequestStates(num_slots, max_model_len, self.max_blocks_per_req, self.block_size, sampling)
         # the last step, when it was an unpadded all-decode step: (its slots, host
-        # inputs, device inputs, sampled tokens); the next such step on the same slots advances it
-        self._last_decode: tuple[np.ndarray, StepInputs, ModelInputs, np.ndarray] | None = None
+        # inputs, device inputs, sampled tokens or None while on the device); the next
+        # such step on the same slots advances it
+        self._last_decode: tuple[np.ndarray, StepInputs, ModelInputs, np.ndarray | None] | None = None
+        self._in_flight: AsyncModelRunnerOutput | None = None   # the last step `execute_async` queued
+        self._decode_ready = False   # the last step is an unpadded all-decode step
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -135,17 +130,75 @@ class ModelRunner:
 
     # ---- per-request state ----------------------------------------------------
     def remove_requests(self, slots: list[int]) -> None:
-        """Drop the state of finished requests (called in the step they finish)."""
+        """Drop the state of finished requests (called in the step they finish; with a
+        step in flight, that step's rows of these slots are dropped)."""
         for slot in slots:
             self.states.remove(slot)
         if slots:
             self._last_decode = None
+            if self._in_flight is not None:
+                self._in_flight.drop_slots(slots)
 
     # ---- one step -----------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step: apply its deltas, gather inputs by slot, run the
-        model, sample. An unpadded all-decode step on the slots of the previous one
-        advances that step's inputs (`next_decode_inputs`) instead of rebuilding them."""
+        model, sample, wait for the tokens. An unpadded all-decode step on the slots
+        of the previous one advances that step's inputs (`next_decode_inputs`)
+        instead of rebuilding them."""
+        states = self.states
+        step, inputs = self._prepare(so)
+        R = so.num_reqs
+        with self.backend.no_grad():
+            hidden = self.executor.run(inputs)
+            logits = self.executor.compute_logits(hidden, inputs, R)
+            meta, out, prompt_lps = self._sample(so, step, hidden, logits)
+        tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64, copy=False)
+        keep = np.flatnonzero(~step.discard) if step.discard.any() else None
+        states.append(so.slots if keep is None else so.slots[keep], tokens if keep is None else tokens[keep])
+        result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=meta.failed_rows)
+        if out.logprobs is not None:
+            lists = out.logprobs.tolists()
+            for r, req_id, k in self._logprob_rows(so, step, meta):
+                result.logprobs[req_id] = lists.row(r, k)
+        if self._decode_ready:
+            self._last_decode = (so.slots, step, inputs, tokens)
+        return result
+
+    def execute_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Queue one scheduled step; its tokens arrive later (`get_output()`). The
+        step in flight before it must be the previous one: its tokens feed this
+        step's inputs on the device and are written into the token rows before
+        this step samples."""
+        states = self.states
+        prev = self._in_flight
+        step, inputs = self._prepare(so, prev)
+        R = so.num_reqs
+        with self.backend.no_grad():
+            hidden = self.executor.run(inputs)
+            logits = self.executor.compute_logits(hidden, inputs, R)
+            if prev is not None:
+                prev.resolve()   # waits for the previous step only; this one is queued behind it
+            meta, out, prompt_lps = self._sample(so, step, hidden, logits)
+        sampled = out.sampled_token_ids
+        future = self.backend.to_host_async(sampled)
+        kept = np.flatnonzero(~step.discard)
+        kept_slots = so.slots[kept]
+        positions = states.num_tokens[kept_slots].astype(np.int64)
+        states.append(kept_slots, PLACEHOLDER)
+        errors = meta.failed_rows
+        self._in_flight = AsyncModelRunnerOutput(
+            future, sampled, so.slots, kept, positions, states.num_slots, states.token_ids,
+            lambda tokens: ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=errors),
+            out.logprobs, self._logprob_rows(so, step, meta) if out.logprobs is not None else None)
+        if self._decode_ready:
+            self._last_decode = (so.slots, step, inputs, None)
+        return self._in_flight
+
+    def _prepare(self, so: SchedulerOutput, prev: AsyncModelRunnerOutput | None = None
+                 ) -> tuple[StepInputs, ModelInputs]:
+        """Apply the step's deltas and build its inputs on the device (tokens still
+        on the device come from `prev`, the step in flight). Sets `_decode_ready`:
+        the next step may advance this one's inputs."""
         states = self.states
         for new in so.new_requests:
             seed = new.params.seed
@@ -154,36 +207,42 @@ class ModelRunner:
         last, self._last_decode = self._last_decode, None
         R, T = so.num_reqs, so.total_num_tokens
         T_pad, R_pad = self.buckets.pad(T, R)
-        all_decode = T == R and T_pad == T and R_pad == R
+        self._decode_ready = all_decode = T == R and T_pad == T and R_pad == R
         step = None
         if (all_decode and last is not None and not so.new_block_ids
                 and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
-            step = next_decode_inputs(last[1], last[3], self.block_size)
+            on_device = last[3] is None
+            step = next_decode_inputs(last[1], last[1].input_ids if on_device else last[3], self.block_size)
+            if step is not None:
+                fed = prev.sampled[:R].to(torch.int64) if on_device else None
+                inputs = self._to_device(step, last[2], fed)
         if step is None:
             step = prepare_inputs(states, so, T_pad, R_pad)
+            write = None if prev is None else prev.feed_input_ids(
+                step.input_ids, step.num_tokens, step.token_to_req, so.slots, self.backend.to_device)
             inputs = self._to_device(step)
-        else:
-            inputs = self._to_device(step, last[2])
-        with self.backend.no_grad():
-            hidden = self.executor.run(inputs)
-            logits = self.executor.compute_logits(hidden, inputs, R)
-            meta = states.sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
-                                                 states.num_tokens, step.discard)
-            out = self.executor.sample(logits, meta)
-            prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
-        tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64, copy=False)
-        keep = np.flatnonzero(~step.discard) if step.discard.any() else None
-        states.append(so.slots if keep is None else so.slots[keep], tokens if keep is None else tokens[keep])
-        result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=meta.failed_rows)
-        if out.logprobs is not None:
-            lists = out.logprobs.tolists()
-            rows = np.flatnonzero((meta.num_logprobs >= 0) & ~step.discard)
-            for r in rows.tolist():
-                slot = int(so.slots[r])
-                result.logprobs[states.req_ids[slot]] = lists.row(r, int(states.sampling.params[slot].logprobs))
-        if all_decode:
-            self._last_decode = (so.slots, step, inputs, tokens)
-        return result
+            if write is not None:
+                write(inputs.input_ids)
+        return step, inputs
+
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor):
+        """(sampling metadata, sampler output, prompt logprobs) of the step, under no_grad."""
+        states = self.states
+        meta = states.sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
+                                             states.num_tokens, step.discard)
+        out = self.executor.sample(logits, meta)
+        prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
+        return meta, out, prompt_lps
+
+    def _logprob_rows(self, so: SchedulerOutput, step: StepInputs, meta) -> list[tuple[int, str, int]]:
+        """(batch row, request id, logprobs asked) of the rows that report sampled logprobs."""
+        states = self.states
+        rows = np.flatnonzero((meta.num_logprobs >= 0) & ~step.discard)
+        out = []
+        for r in rows.tolist():
+            slot = int(so.slots[r])
+            out.append((r, states.req_ids[slot], int(states.sampling.params[slot].logprobs)))
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs,
                          so: SchedulerOutput) -> dict[str, list[LogprobRow]]:
@@ -213,9 +272,11 @@ class ModelRunner:
                 del states.prompt_logprobs_done[slot]
         return out
 
-    def _to_device(self, step: StepInputs, prev: ModelInputs | None = None) -> ModelInputs:
+    def _to_device(self, step: StepInputs, prev: ModelInputs | None = None,
+                   input_ids: torch.Tensor | None = None) -> ModelInputs:
         """`step` on the device. `prev`: the device inputs of the step that `step` was
-        advanced from (`next_decode_inputs`); the arrays they share are not sent again."""
+        advanced from (`next_decode_inputs`); the arrays they share are not sent again.
+        `input_ids`: the token ids already on the device (the previous step's samples)."""
         dev = self.backend.to_device
         if prev is None:
             qsl, tables = dev(step.query_start_loc), dev(step.block_tables)
@@ -232,4 +293,5 @@ class ModelRunner:
             query_start_loc_np=step.query_start_loc, seq_lens_np=step.seq_lens)
         for key, array in self.backend.host_attention_extras(step).items():
             meta.extras[key] = dev(array)
-        return ModelInputs(dev(step.input_ids), meta.positions, meta, self.kv_caches, logits_idx)
+        ids = dev(step.input_ids) if input_ids is None else input_ids
+        return ModelInputs(ids, meta.positions, meta, self.kv_caches, logits_idx)

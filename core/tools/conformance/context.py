@@ -155,7 +155,8 @@ class ConformanceContext:
                               num_blocks_override=o.pop("num_blocks_override", None)),
             scheduler=SchedulerConfig(max_num_seqs=o.pop("max_num_seqs", s.max_num_seqs),
                                       max_num_batched_tokens=o.pop("max_num_batched_tokens",
-                                                                   s.max_num_batched_tokens)),
+                                                                   s.max_num_batched_tokens),
+                                      async_scheduling=o.pop("async_scheduling", None)),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
         if adjust is not None:
             from polyrunner.plugins import get_plugin_manager
@@ -175,12 +176,16 @@ class ConformanceContext:
                                     max_num_batched_tokens=s.chunked_max_num_batched_tokens)
         if key == "preempt":
             return self.make_config(num_blocks_override=s.preempt_blocks, enable_prefix_caching=False)
+        if key in ("async", "sync"):   # chunked prefill and preemption, scheduled both ways
+            return self.make_config(num_blocks_override=s.preempt_blocks, async_scheduling=key == "async",
+                                    max_num_batched_tokens=s.chunked_max_num_batched_tokens)
         if key == "reference":
             return self.make_config(REFERENCE_BACKEND, kv_cache_memory_bytes=budget)
         raise KeyError(key)
 
     def engine(self, key: str):
-        """The engine for configuration `key` (exec, e2e, chunked, preempt, reference), built once."""
+        """The engine for configuration `key` (exec, e2e, chunked, preempt, async, sync,
+        reference), built once."""
         if key in self._engine_errors:
             raise EngineBuildError(self._engine_errors[key])
         if key not in self._engines:

@@ -1,6 +1,7 @@
 """End to end, on the tiny random Llama: greedy tokens equal the CPU reference
 backend's, token for token; seeded sampling is reproducible (across runs and
-batch compositions); preemption and chunked prefill change no token."""
+batch compositions); preemption and chunked prefill change no token;
+asynchronous scheduling changes no token."""
 
 from __future__ import annotations
 
@@ -79,3 +80,38 @@ def check_chunked_prefill_same_tokens(ctx) -> str:
     budget = engine.config.scheduler.max_num_batched_tokens
     expect(max(len(p) for p in ctx.prompts()) > budget, "no prompt is longer than the token budget")
     return _compare(ctx, generate(engine, ctx.prompts(), _greedy(ctx)), f"chunked prefill (budget {budget})")
+
+
+@check("end_to_end", requires=("async_scheduling",))
+def check_async_scheduling_same_tokens(ctx) -> str:
+    """Asynchronous scheduling (step N+1 prepared while step N runs) gives the tokens
+    synchronous scheduling gives, with chunked prefill, preemption, stop ids, one-token
+    requests and (where the device seeds) random sampling."""
+    from polyrunner.sampling_params import SamplingParams
+    n = ctx.settings.max_tokens
+    stop_id = ctx.reference_tokens()[1][n // 2]
+    seeded = {"temperature", "seed"} <= ctx.capabilities.sampling
+    params = []
+    for i in range(len(ctx.prompts())):
+        kind = i % 4
+        if kind == 0 or (kind == 2 and not seeded):
+            params.append(SamplingParams(temperature=0.0, max_tokens=n - i, ignore_eos=True))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=[stop_id]))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=1.0, seed=3000 + i, max_tokens=n, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=1 + i % 3, ignore_eos=True))
+    asynchronous, synchronous = ctx.engine("async"), ctx.engine("sync")
+    expect(asynchronous.async_scheduling, "the engine built with async_scheduling=True does not use it")
+    got = generate(asynchronous, ctx.prompts(), params)
+    want = generate(synchronous, ctx.prompts(), params)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            at = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            fail(f"asynchronous scheduling: prompt {i} ({params[i].max_tokens} tokens at most) diverges from "
+                 f"synchronous scheduling at output token {at}: got {g}, synchronous {w}")
+    expect(len(got[1]) <= n // 2 + 1, f"stop id {stop_id} did not stop prompt 1: {got[1]}")
+    preempted = asynchronous.scheduler.num_preemptions
+    return (f"{len(got)} prompts equal synchronous scheduling token for token "
+            f"({preempted} preemptions, budget {asynchronous.config.scheduler.max_num_batched_tokens})")
