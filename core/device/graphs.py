@@ -202,6 +202,7 @@ class StaticGraphExecutor(GraphExecutor):
     graphs: dict[int, _Graph] = field(default_factory=dict)
     capture_seconds: float = 0.0
     capture_bytes: int = 0
+    reserved_bytes: int = 0  # the pool estimate the KV budget left free (pool_reserve_bytes)
     disabled_reason: str | None = None
     replays: int = 0
     eager_steps: Counter = field(default_factory=Counter)
@@ -241,9 +242,13 @@ class StaticGraphExecutor(GraphExecutor):
         self.capture_bytes = max(0, free0 - self.api.free_memory())
         self.replays, self.eager_steps = 0, Counter()  # count serving steps only
         logger.info("%s: captured %d decode graphs (batch sizes %s, context width %d tokens%s) in %.2fs using "
-                    "%.1f MiB", self.api.name, len(self.graphs), sorted(self.graphs),
+                    "%.1f MiB (reserved %.1f MiB)", self.api.name, len(self.graphs), sorted(self.graphs),
                     self._width * self._block_size, ", length-adaptive" if self.length_adaptive else "",
-                    self.capture_seconds, self.capture_bytes / 2**20)
+                    self.capture_seconds, self.capture_bytes / 2**20, self.reserved_bytes / 2**20)
+        if self.reserved_bytes and self.capture_bytes > self.reserved_bytes:
+            logger.warning("%s: the graph pool (%.1f MiB) outgrew its reserve (%.1f MiB); lower "
+                           "gpu_memory_utilization if memory runs short", self.api.name,
+                           self.capture_bytes / 2**20, self.reserved_bytes / 2**20)
 
     def num_graphs(self) -> int:
         return len(self.graphs)
@@ -331,7 +336,8 @@ class StaticGraphExecutor(GraphExecutor):
         sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
         if self.enforce_eager or not sizes:
             return 0
-        return int(activation_bytes_per_token * sizes[-1]) + len(sizes) * (2 << 20)
+        self.reserved_bytes = int(activation_bytes_per_token * sizes[-1]) + len(sizes) * (2 << 20)
+        return self.reserved_bytes
 
 
 # ---- memory and transfers --------------------------------------------------
