@@ -1,8 +1,10 @@
-"""AsyncLLM: one engine thread serving concurrent async callers — streaming,
-abort, a bad request failing alone, a dead loop failing every pending request,
-graceful shutdown, timings."""
+"""AsyncLLM serving concurrent async callers — streaming, abort, a bad request
+failing alone, a dead loop failing every pending request, graceful shutdown,
+timings — with the engine in a thread and in its own process (the process's
+own failure modes are in test_engine_process.py)."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -30,27 +32,29 @@ def folder(tiny_model_factory):
     return tiny_model_factory("llama")[0]
 
 
-@pytest.fixture(scope="module")
-def allm(folder):
-    a = _new(folder)
+@pytest.fixture(scope="module", params=["thread", "process"])
+def allm(folder, request):
+    a = _new(folder, engine_process=request.param == "process")
     yield a
     a.shutdown(0)
 
 
 def wait_idle(a: AsyncLLM, timeout: float = 10.0) -> None:
-    """Wait for the engine thread to run out of work, then check nothing is left."""
+    """Wait for the engine to run out of work, then check nothing is left (its own
+    counts; in a thread, its internals too)."""
     deadline = time.monotonic() + timeout
-    eng = a.engine
-    while (a.num_requests or eng.has_unfinished_requests()) and time.monotonic() < deadline:
+    while (a.num_requests or not a.counts.idle) and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.05)
-    pool = eng.kv.pool
-    assert a.num_requests == 0 and a.num_waiting == 0
-    assert not eng.has_unfinished_requests()
-    assert not eng.scheduler.running and not eng.scheduler.waiting
-    assert pool.num_free_blocks == pool.num_usable_blocks
-    assert eng.runner.states.num_active == 0
-    assert not eng.outputs._parents
+    assert a.num_requests == 0 and a.num_waiting == 0 and a.num_running == 0
+    assert a.counts.idle, a.counts
+    if not a.engine_process:
+        eng = a.engine
+        time.sleep(0.05)
+        assert not eng.has_unfinished_requests()
+        assert not eng.scheduler.running and not eng.scheduler.waiting
+        assert eng.kv.pool.num_free_blocks == eng.kv.pool.num_usable_blocks
+        assert eng.runner.states.num_active == 0
+        assert not eng.outputs._parents
 
 
 async def _collect(a: AsyncLLM, prompt, params, rid=None) -> list:
@@ -101,7 +105,7 @@ def test_abort_frees_blocks_and_ends_the_stream(allm):
         async for out in allm.generate(_prompt(1), _sp(400), "long"):
             outs.append(out)
             if len(outs) == 3:
-                assert allm.engine.kv.pool.num_free_blocks < allm.engine.kv.pool.num_usable_blocks
+                assert allm.counts.kv_free_blocks < allm.counts.kv_usable_blocks
                 allm.abort("long")
         return outs
 
@@ -168,8 +172,14 @@ def test_duplicate_request_id_is_refused(allm):
 
 
 def test_idle_loop_sleeps(allm):
-    calls = []
     wait_idle(allm)
+    if allm.engine_process:   # the engine process burns (almost) no CPU while idle
+        pid = allm._core.process.pid
+        before = _cpu_seconds(pid)
+        time.sleep(0.5)
+        assert _cpu_seconds(pid) - before < 0.05
+        return
+    calls = []
     original = allm.engine.has_unfinished_requests
     allm.engine.has_unfinished_requests = lambda: calls.append(1) or original()
     try:
@@ -177,6 +187,11 @@ def test_idle_loop_sleeps(allm):
         assert len(calls) <= 1   # woken at most once, not spinning
     finally:
         del allm.engine.has_unfinished_requests
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_timings_and_stats(allm):
@@ -248,7 +263,7 @@ def test_graceful_shutdown_drains_then_refuses(folder):
     results = asyncio.run(main())
     assert [r[-1].outputs[0].finish_reason for r in results] == ["length"] * 4
     assert [len(r[-1].outputs[0].token_ids) for r in results] == [30] * 4
-    assert not a._thread.is_alive()
+    assert not a._core.alive
 
 
 def test_shutdown_timeout_aborts_the_rest(folder):

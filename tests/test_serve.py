@@ -59,7 +59,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def allm():
-    a = AsyncLLM(**ENGINE_ARGS)
+    a = AsyncLLM(**ENGINE_ARGS, engine_process=True)   # as `polyrunner serve` runs it
     yield a
     a.shutdown(0)
 
@@ -82,17 +82,13 @@ def ref_llm():
 
 
 def wait_idle(a: AsyncLLM, timeout: float = 20.0) -> None:
+    """Wait until no request is left; then nothing may be held (the engine's own
+    counts, from its process: requests, KV blocks, runner slots)."""
     deadline = time.monotonic() + timeout
-    eng = a.engine
-    while (a.num_requests or eng.has_unfinished_requests()) and time.monotonic() < deadline:
+    while (a.num_requests or not a.counts.idle) and time.monotonic() < deadline:
         time.sleep(0.02)
-    time.sleep(0.05)
-    pool = eng.kv.pool
-    assert a.num_requests == 0 and not eng.has_unfinished_requests()
-    assert not eng.scheduler.running and not eng.scheduler.waiting
-    assert pool.num_free_blocks == pool.num_usable_blocks
-    assert eng.runner.states.num_active == 0
-    assert not eng.outputs._parents
+    assert a.num_requests == 0 and a.num_waiting == 0 and a.num_running == 0
+    assert a.counts.idle, a.counts
 
 
 def parse_sse(text: str) -> list:
@@ -358,7 +354,7 @@ def test_bad_requests_get_4xx_while_a_stream_carries_on(srv, allm):
     t = threading.Thread(target=stream)
     t.start()
     deadline = time.monotonic() + 20
-    while not allm.engine.scheduler.running and time.monotonic() < deadline:
+    while not allm.num_running and time.monotonic() < deadline:
         time.sleep(0.005)
 
     post = lambda body, path="/v1/completions", **kw: httpx.post(srv.url + path, json=body, **kw)

@@ -1,30 +1,30 @@
-"""AsyncLLM: an `LLMEngine` stepped continuously in one background thread, with
-requests that arrive and leave at any time (vLLM's name and shape).
+"""AsyncLLM: requests that arrive and leave at any time, served by one engine
+that steps continuously (vLLM's name and shape).
 
-Threading model. The engine is not thread-safe, so exactly one thread — the
-engine thread — ever touches it. Callers talk to it through a command list
-guarded by one condition variable:
+The engine runs in an engine core: `EngineProcess` (its own process — the
+default for `polyrunner serve`; the server and the engine never share a GIL)
+or `EngineThread` (a background thread of this process; `.engine` can be
+inspected). Both run the same `EngineLoop` and report, after every loop turn,
+what happened (outputs, rejections, aborts) and the engine's counts; this
+frontend turns that into per-request streams:
 
-    caller (any asyncio loop)                engine thread
-    generate() -> add_request():             loop:
-      register a RequestStream, append         wait on the condition while idle
-      ("add", ...) and notify                  take every queued command
-    abort(): append ("abort"), notify          apply adds / aborts (between steps)
-                                               engine.step() if anything is unfinished
-    RequestStream.__anext__ awaits its         hand each output to its stream's loop:
-      own asyncio.Queue                        one loop.call_soon_threadsafe per loop
-                                               per step, which fills the queues
+    caller (any asyncio loop)                core's report thread
+    generate() -> add_request():             on_report(events, counts):
+      register a RequestStream and submit      record timings, build StepStats,
+      ("add", ...) to the core                 hand each output to its stream's
+    abort(): submit ("abort", id)              loop (one call_soon_threadsafe per
+    RequestStream.__anext__ awaits its         loop per report)
+      own asyncio.Queue
 
 Outputs are cumulative (text, token ids and logprobs so far), so a consumer
 that falls behind reads only the newest one (the queue is coalesced). A request
-whose `add_request` raises gets that error from its iterator and nothing else
-changes; if the loop itself raises, every pending request fails with
-`EngineDeadError`, `is_healthy` turns False and later calls fail at once. The
-loop sleeps on the condition when there is nothing to do.
+the engine refuses gets that error from its iterator and nothing else changes;
+if the engine dies, every pending request fails with `EngineDeadError`,
+`is_healthy` turns False and later calls fail at once.
 
-Per-request timings (arrival, first token, each token, finish) are recorded in
-the engine thread as outputs are delivered; stats listeners (the server's
-metrics) get one `StepStats` per step.
+Per-request timings (arrival, first token, each token, finish) are recorded as
+outputs arrive; stats listeners (the server's metrics) get one `StepStats` per
+report.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import pickle
 import threading
 import time
 import uuid
@@ -41,6 +43,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrunner.engine.engine_loop import CoreCounts, rebuild_error, sequences
+from polyrunner.engine.engine_process import EngineProcess
+from polyrunner.engine.engine_thread import EngineThread
 from polyrunner.outputs import CompletionOutput, RequestOutput
 from polyrunner.sampling_params import SamplingParams
 
@@ -138,13 +143,25 @@ class RequestStream:
 class AsyncLLM:
     """An engine serving concurrent async callers.
 
-    `AsyncLLM(model=None, backend=None, **kwargs)` takes `LLM`'s arguments;
-    `AsyncLLM.from_engine(engine)` wraps an existing `LLMEngine` (which it then owns).
+    `AsyncLLM(model=None, backend=None, engine_process=False, **kwargs)` takes
+    `LLM`'s arguments; `engine_process=True` runs the engine in its own process
+    (None: the `POLYRUNNER_ENGINE_PROCESS` environment variable, "1" or "0").
+    `AsyncLLM.from_engine(engine)` wraps an existing `LLMEngine` in a thread (and
+    then owns it).
     """
 
-    def __init__(self, model: str | None = None, backend: str | None = None, **llm_kwargs: Any) -> None:
-        from polyrunner.llm import LLM
-        self._setup(LLM(model, backend, **llm_kwargs).engine)
+    def __init__(self, model: str | None = None, backend: str | None = None, *,
+                 engine_process: bool | None = None, **llm_kwargs: Any) -> None:
+        if engine_process is None:
+            engine_process = os.environ.get("POLYRUNNER_ENGINE_PROCESS", "0") not in ("", "0", "false", "False")
+        self._setup()
+        if engine_process:
+            self._core = EngineProcess({"model": model, "backend": backend, **llm_kwargs},
+                                       self._on_report, self._die)
+        else:
+            from polyrunner.llm import LLM
+            self._core = EngineThread(LLM(model, backend, **llm_kwargs).engine, self._on_report, self._die)
+        self._counts = self._core.initial_counts
 
     @classmethod
     def from_engine_args(cls, **llm_kwargs: Any) -> AsyncLLM:
@@ -153,46 +170,70 @@ class AsyncLLM:
     @classmethod
     def from_engine(cls, engine) -> AsyncLLM:
         self = cls.__new__(cls)
-        self._setup(engine)
+        self._setup()
+        self._core = EngineThread(engine, self._on_report, self._die)
+        self._counts = self._core.initial_counts
         return self
 
-    def _setup(self, engine) -> None:
-        self.engine = engine
+    def _setup(self) -> None:
         self._cv = threading.Condition(threading.RLock())
-        self._commands: list[tuple] = []
         self._streams: dict[str, RequestStream] = {}
-        self._num_pending_adds = 0
+        self._outbox: list[tuple] = []        # commands held back by `batch()`
+        self._batch_depth = 0
+        self._adds_sent = 0                   # sequences submitted (n per request), cumulative
         self._accepting = True
-        self._stop = False
+        self._stopped = False
         self._dead: EngineDeadError | None = None
         self._listeners: list[StatsListener] = []
-        self._preemptions_seen = engine.scheduler.num_preemptions
-        self._thread = threading.Thread(target=self._run, name="polyrunner-engine", daemon=True)
-        self._thread.start()
 
     # ---- what callers read ---------------------------------------------------------
     @property
+    def engine(self):
+        """The `LLMEngine` (engine in a thread only: a process's engine is not reachable)."""
+        engine = getattr(self._core, "engine", None)
+        if engine is None:
+            raise AttributeError("the engine runs in its own process (engine_process=True); "
+                                 "read AsyncLLM's counts instead")
+        return engine
+
+    @property
+    def engine_process(self) -> bool:
+        return isinstance(self._core, EngineProcess)
+
+    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._core.info.tokenizer
+
+    def get_tokenizer(self):
+        return self._core.info.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._core.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._core.info.vocab_size
+
+    @property
+    def counts(self) -> CoreCounts:
+        """The engine's counts after its latest loop turn."""
+        return self._counts
 
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and self._core.alive
 
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead
 
     def check_health(self) -> None:
-        """Raise EngineDeadError when the loop is dead."""
+        """Raise EngineDeadError when the engine is dead."""
         if self._dead is not None:
             raise self._dead
-        if not self._thread.is_alive() and not self._stop:
-            raise EngineDeadError("the engine thread is not running")
+        if not self._core.alive and not self._stopped:
+            raise EngineDeadError("the engine is not running")
 
     @property
     def accepting(self) -> bool:
@@ -205,15 +246,20 @@ class AsyncLLM:
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self._counts.num_running
 
     @property
     def num_waiting(self) -> int:
         """Sequences waiting for a slot: the scheduler's queue plus adds not yet applied."""
-        return len(self.engine.scheduler.waiting) + self._num_pending_adds
+        counts = self._counts
+        return counts.num_waiting + max(0, self._adds_sent - counts.adds_applied)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._counts.kv_cache_usage
 
     def add_stats_listener(self, listener: StatsListener) -> None:
-        """`listener(StepStats)` runs in the engine thread after every step; keep it cheap."""
+        """`listener(StepStats)` runs in the core's report thread after every loop turn; keep it cheap."""
         with self._cv:
             self._listeners = [*self._listeners, listener]
 
@@ -223,12 +269,14 @@ class AsyncLLM:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> RequestStream:
+                    request_id: str | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns its stream (an async iterator of RequestOutput).
         Call from inside a running asyncio loop: the outputs arrive on that loop."""
         loop = asyncio.get_running_loop()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params or SamplingParams()
+        if self.engine_process and params.logits_processors:
+            _check_picklable(params.logits_processors)
         with self._cv:
             if self._dead is not None:
                 raise self._dead
@@ -238,23 +286,41 @@ class AsyncLLM:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             stream = RequestStream(request_id, prompt, loop)
             self._streams[request_id] = stream
-            self._num_pending_adds += max(1, getattr(params, "n", 1))
-            self._commands.append(("add", stream, prompt, params))
-            self._cv.notify()
+            self._adds_sent += sequences(params)
+        self._submit(("add", request_id, prompt, params, priority))
         return stream
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Requests added inside this block reach the engine together (same step)."""
         with self._cv:
+            self._batch_depth += 1
+        try:
             yield
+        finally:
+            with self._cv:
+                self._batch_depth -= 1
+                commands = []
+                if self._batch_depth == 0:
+                    commands, self._outbox = self._outbox, []
+            if commands:
+                self._core.submit(commands)
+
+    def _submit(self, command: tuple) -> None:
+        """Hand one command to the core (held back inside `batch()`). Never under `_cv`:
+        the core's report thread needs it."""
+        with self._cv:
+            if self._batch_depth:
+                self._outbox.append(command)
+                return
+        self._core.submit([command])
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative) as tokens arrive; the last one has
         `finished=True`. Raises ValueError for an invalid request, EngineDeadError if
-        the loop dies. Leaving the iteration early (or being cancelled) aborts it."""
-        stream = self.add_request(prompt, sampling_params, request_id)
+        the engine dies. Leaving the iteration early (or being cancelled) aborts it."""
+        stream = self.add_request(prompt, sampling_params, request_id, priority)
         try:
             async for out in stream:
                 yield out
@@ -265,84 +331,66 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request; its blocks are freed on the engine loop's next turn and its
         stream ends with a `finish_reason="abort"` output. Unknown ids are ignored."""
-        with self._cv:
-            if request_id in self._streams:
-                self._commands.append(("abort", request_id))
-                self._cv.notify()
+        if request_id in self._streams:
+            self._submit(("abort", request_id))
 
     # ---- shutdown -------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 0.0) -> None:
         """Stop taking requests, let running ones finish for up to `timeout` seconds
-        (None: no limit), abort the rest and stop the engine thread."""
+        (None: no limit), abort the rest and stop the engine core."""
         with self._cv:
             self._accepting = False
             self._cv.wait_for(lambda: not self._streams or self._dead is not None, timeout)
-            self._stop = True
+            if self._stopped:
+                return
+            self._stopped = True
+        self._core.stop()
+        with self._cv:   # a core that died before it could report its aborts
+            streams, self._streams = list(self._streams.values()), {}
             self._cv.notify_all()
-        self._thread.join()
+        _deliver([(s, self._aborted_output(s)) for s in streams])
 
     async def shutdown_async(self, timeout: float | None = 0.0) -> None:
         """`shutdown` without blocking the caller's loop (its streams keep flowing)."""
         await asyncio.to_thread(self.shutdown, timeout)
 
-    # ---- the engine thread ------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cv:
-                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
-                        self._cv.wait()
-                    commands, self._commands = self._commands, []
-                    stop = self._stop
-                for cmd in commands:
-                    self._apply(cmd)
-                if stop:
-                    for rid in list(self._streams):
-                        self._apply(("abort", rid))
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._step()
-        except BaseException as exc:   # noqa: BLE001 - every pending request must hear of it
-            self._die(exc)
-
-    def _apply(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, stream, prompt, params = cmd
-            with self._cv:
-                self._num_pending_adds -= max(1, getattr(params, "n", 1))
-            try:
-                self.engine.add_request(prompt, params, request_id=stream.request_id, stream=True)
-            except Exception as exc:   # noqa: BLE001 - a bad request fails alone
-                self.engine.abort_request(stream.request_id)   # drop any half-made state
-                self._finish(stream, exc)
-            return
-        rid = cmd[1]
-        stream = self._streams.get(rid)
-        self.engine.abort_request(rid)
-        if stream is not None:
-            self._finish(stream, self._aborted_output(stream))
-
-    def _step(self) -> None:
-        outs = self.engine.step()
+    # ---- reports from the core (its thread) ---------------------------------------------
+    def _on_report(self, events: list[tuple], counts: CoreCounts) -> None:
         now = time.monotonic()
-        sched = self.engine.scheduler
-        preempted = sched.num_preemptions - self._preemptions_seen
-        self._preemptions_seen = sched.num_preemptions
-        stats = StepStats(len(sched.running), len(sched.waiting) + self._num_pending_adds, preempted)
+        preempted = counts.num_preemptions - self._counts.num_preemptions
+        self._counts = counts
+        stats = StepStats(counts.num_running, self.num_waiting, preempted)
         deliveries: list[tuple[RequestStream, Any]] = []
-        finished: list[RequestStream] = []
-        for out in outs:
-            stream = self._streams.get(out.request_id)
+        ended: list[RequestStream] = []
+        for event in events:
+            kind = event[0]
+            if kind == "outputs":
+                for out in event[1]:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    self._record(stream, out, now, stats)
+                    stream.last = out
+                    deliveries.append((stream, out))
+                    if out.finished:
+                        ended.append(stream)
+                continue
+            stream = self._streams.get(event[1])
             if stream is None:
                 continue
-            self._record(stream, out, now, stats)
-            stream.last = out
-            deliveries.append((stream, out))
-            if out.finished:
-                finished.append(stream)
-        if finished:
+            t = stream.timings
+            t.finished_time = now
+            if kind == "rejected":
+                t.finish_reason = "error"
+                deliveries.append((stream, rebuild_error(*event[2])))
+            else:
+                t.finish_reason = "abort"
+                stats.finished.append(t)
+                deliveries.append((stream, self._aborted_output(stream)))
+            ended.append(stream)
+        if ended:
             with self._cv:
-                for stream in finished:
+                for stream in ended:
                     self._streams.pop(stream.request_id, None)
                 self._cv.notify_all()
         self._notify(stats)   # before delivery: a caller that got its output sees it counted
@@ -377,20 +425,6 @@ class AsyncLLM:
             t.finish_reason = "stop" if "stop" in reasons else reasons[0] if reasons else None
             stats.finished.append(t)
 
-    def _finish(self, stream: RequestStream, item: Any) -> None:
-        """End a stream outside a step: a rejected request (an exception) or an abort."""
-        t = stream.timings
-        t.finished_time = time.monotonic()
-        t.finish_reason = "error" if isinstance(item, BaseException) else "abort"
-        with self._cv:
-            self._streams.pop(stream.request_id, None)
-            self._cv.notify_all()
-        if t.finish_reason == "abort":
-            sched = self.engine.scheduler
-            self._notify(StepStats(len(sched.running), len(sched.waiting) + self._num_pending_adds, 0,
-                                   finished=[t]))
-        _deliver([(stream, item)])
-
     @staticmethod
     def _aborted_output(stream: RequestStream) -> RequestOutput:
         last = stream.last
@@ -403,7 +437,7 @@ class AsyncLLM:
         return dataclasses.replace(last, outputs=outs, finished=True)
 
     def _die(self, exc: BaseException) -> None:
-        logger.error("the engine loop died", exc_info=exc)
+        logger.error("the engine died", exc_info=exc)
         error = EngineDeadError(f"the engine loop died ({type(exc).__name__}: {exc}); "
                                 "pending requests failed and no new request can be served")
         error.__cause__ = exc
@@ -412,10 +446,17 @@ class AsyncLLM:
             self._accepting = False
             streams = list(self._streams.values())
             self._streams.clear()
-            self._commands.clear()
-            self._num_pending_adds = 0
+            self._outbox.clear()
             self._cv.notify_all()
         _deliver([(s, error) for s in streams])
+
+
+def _check_picklable(processors: Any) -> None:
+    try:
+        pickle.dumps(processors)
+    except Exception as exc:   # noqa: BLE001 - lambdas, closures, local classes
+        raise ValueError("logits_processors must be picklable (module-level functions or classes) when the "
+                         f"engine runs in its own process: {exc}") from None
 
 
 def _deliver(items: list[tuple[RequestStream, Any]]) -> None:

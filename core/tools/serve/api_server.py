@@ -168,7 +168,7 @@ class Server:
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
         self.metrics = metrics
-        self.vocab_size = async_llm.engine.arch.vocab_size
+        self.vocab_size = async_llm.vocab_size
 
     def check_model(self, model: str | None) -> str:
         if model is None or model == "":

@@ -4,7 +4,8 @@
     polyrunner serve --model ./my-llama --port 9000 --api-key secret --max-waiting 256
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, /tokenize, /detokenize.
+/metrics, /tokenize, /detokenize. The engine runs in its own process
+(`--no-engine-process`: in a thread of the server).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=None, help="413 above this (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process, so the HTTP server and the engine never share a "
+                        "GIL (default); --no-engine-process runs it in a thread of the server")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -53,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-                         seed=args.seed)
+                         seed=args.seed, engine_process=args.engine_process)
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,

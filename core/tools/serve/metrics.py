@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (vLLM's metric names, `polyrunner:` prefix).
 
-Gauges are read from the engine when scraped; counters and histograms are fed
-by the AsyncLLM's per-step stats (in the engine thread; prometheus-client is
+Gauges are read from the AsyncLLM's latest engine counts when scraped; counters and histograms are fed
+by the AsyncLLM's per-step stats (in its report thread; prometheus-client is
 thread-safe). Each app owns its `CollectorRegistry`, so several servers can
 live in one process.
 """
@@ -25,20 +25,16 @@ class ServerMetrics:
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
         reg, labels, name = self.registry, ["model_name"], model_name
-        eng = async_llm.engine
 
         def gauge(metric: str, doc: str, fn) -> None:
             Gauge(metric, doc, labels, registry=reg).labels(name).set_function(fn)
-
-        def kv_usage() -> float:
-            pool = eng.kv.pool
-            return 1.0 - pool.num_free_blocks / max(pool.num_usable_blocks, 1)
 
         gauge("polyrunner:num_requests_running", "Number of requests in the running batch.",
               lambda: async_llm.num_running)
         gauge("polyrunner:num_requests_waiting", "Number of requests waiting to be scheduled.",
               lambda: async_llm.num_waiting)
-        gauge("polyrunner:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv_usage)
+        gauge("polyrunner:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+              lambda: async_llm.kv_cache_usage)
         gauge("polyrunner:engine_healthy", "1 while the engine loop runs, 0 once it died.",
               lambda: 1.0 if async_llm.is_healthy else 0.0)
 
@@ -66,7 +62,7 @@ class ServerMetrics:
                                                    TOKEN_BUCKETS)
 
     def on_step(self, stats: StepStats) -> None:
-        """AsyncLLM stats listener (engine thread)."""
+        """AsyncLLM stats listener (its report thread)."""
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

@@ -1,0 +1,156 @@
+"""The busy loop around one `LLMEngine`, shared by the in-thread and the
+in-process engine cores.
+
+    loop:
+        take the queued commands (wait for one when there is no work)
+        apply them between steps: ("add", request_id, prompt, params, priority),
+                                  ("abort", request_id), ("stop",)
+        step the engine if any request is unfinished
+        report(events, counts)     # events in order; counts after them
+
+Events are ("rejected", request_id, (error type, message)) for an add the
+engine refused (the request fails alone), ("aborted", request_id) once an abort
+freed the request's blocks, and ("outputs", [RequestOutput]) for a step. A
+"stop" aborts every request, reports them and ends the loop. An exception from
+`engine.step()` ends the loop too: the caller reports the engine dead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Command = tuple
+Event = tuple
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What a frontend needs to know of the engine it talks to."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, engine) -> CoreInfo:
+        return cls(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size)
+
+
+@dataclass(frozen=True)
+class CoreCounts:
+    """The engine's state after a loop turn (for gauges, the waiting cap and tests)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0          # cumulative
+    kv_free_blocks: int = 0
+    kv_usable_blocks: int = 0
+    adds_applied: int = 0             # sequences (n per request) taken from the queue, cumulative
+    num_unfinished: int = 0           # requests the engine still holds
+    runner_active: int = 0            # slots the model runner still holds
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.kv_free_blocks / max(self.kv_usable_blocks, 1)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: no request, every KV block free, no runner state."""
+        return (self.num_unfinished == 0 and self.kv_free_blocks == self.kv_usable_blocks
+                and self.runner_active == 0)
+
+
+def sequences(params: Any) -> int:
+    """How many sequences a request becomes (its `n`)."""
+    return max(1, getattr(params, "n", 1) or 1)
+
+
+class Inbox(Protocol):
+    def take(self, block: bool) -> list[Command]:
+        """The queued commands; with `block`, wait until there is at least one."""
+
+
+class ThreadInbox:
+    """Commands from any thread to the engine thread."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._items: list[Command] = []
+
+    def put(self, commands: list[Command]) -> None:
+        with self._cv:
+            self._items.extend(commands)
+            self._cv.notify()
+
+    def take(self, block: bool) -> list[Command]:
+        with self._cv:
+            while block and not self._items:
+                self._cv.wait()
+            items, self._items = self._items, []
+        return items
+
+
+class EngineLoop:
+    """Steps one engine while there is work; see the module docstring."""
+
+    def __init__(self, engine, inbox: Inbox, report: Callable[[list[Event], CoreCounts], None]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.report = report
+        self.active: set[str] = set()
+        self.adds_applied = 0
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            events: list[Event] = []
+            for cmd in self.inbox.take(block=not engine.has_unfinished_requests()):
+                if cmd[0] == "stop":
+                    for rid in list(self.active):
+                        self._abort(rid, events)
+                    self.report(events, self.counts())
+                    return
+                self._apply(cmd, events)
+            if engine.has_unfinished_requests():
+                outs = engine.step()
+                for out in outs:
+                    if out.finished:
+                        self.active.discard(out.request_id)
+                events.append(("outputs", outs))
+            self.report(events, self.counts())
+
+    def _apply(self, cmd: Command, events: list[Event]) -> None:
+        if cmd[0] == "abort":
+            self._abort(cmd[1], events)
+            return
+        _, rid, prompt, params, priority = cmd
+        self.adds_applied += sequences(params)
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, stream=True, priority=priority)
+        except Exception as exc:   # noqa: BLE001 - a bad request fails alone
+            self.engine.abort_request(rid)   # drop any half-made state
+            events.append(("rejected", rid, (type(exc).__name__, str(exc))))
+            return
+        self.active.add(rid)
+
+    def _abort(self, rid: str, events: list[Event]) -> None:
+        self.engine.abort_request(rid)
+        if rid in self.active:
+            self.active.discard(rid)
+            events.append(("aborted", rid))
+
+    def counts(self) -> CoreCounts:
+        eng = self.engine
+        sched, pool = eng.scheduler, eng.kv.pool
+        return CoreCounts(len(sched.running), len(sched.waiting), sched.num_preemptions, pool.num_free_blocks,
+                          pool.num_usable_blocks, self.adds_applied, sched.num_unfinished,
+                          eng.runner.states.num_active)
+
+
+def rebuild_error(kind: str, message: str) -> Exception:
+    """The frontend's copy of an engine-side rejection (its type where it is a standard one)."""
+    cls = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}.get(kind, ValueError)
+    return cls(message)
