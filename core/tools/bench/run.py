@@ -38,16 +38,21 @@ class StepRecorder:
         self.runner = llm.engine.runner
         self.steps: list[int] = []
         self._orig = self.runner.execute
+        self._orig_async = self.runner.execute_async   # asynchronous scheduling queues steps here
 
     def __enter__(self) -> "StepRecorder":
         def execute(so):
             self.steps.append(so.total_num_tokens)
             return self._orig(so)
-        self.runner.execute = execute
+
+        def execute_async(so):
+            self.steps.append(so.total_num_tokens)
+            return self._orig_async(so)
+        self.runner.execute, self.runner.execute_async = execute, execute_async
         return self
 
     def __exit__(self, *exc) -> None:
-        self.runner.execute = self._orig
+        self.runner.execute, self.runner.execute_async = self._orig, self._orig_async
 
 
 def run_workload(llm, w: Workload, repeats: int = 3) -> dict[str, Any]:
