@@ -77,6 +77,28 @@ def test_mixed_batches_match_reference_fp32(block_size, heads, kv_heads, window)
     assert torch.all(out[T:] == 0), "padded token rows must be zero"
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_batches_fp32(seed):
+    """Random shapes: GQA groups 1-8 (some not powers of two), head sizes 16 and 24 (padded to 32),
+    windows, block sizes 16 and 32, 1-6 requests decode-first, padded tails; decode-only
+    batches also through the split-decode path."""
+    rng = np.random.default_rng(1000 + seed)
+    block_size = int(rng.choice([16, 32]))
+    heads, kv_heads = [(4, 2), (6, 2), (8, 1), (2, 2), (9, 3)][seed % 5]
+    window = None if rng.random() < 0.5 else int(rng.integers(1, 40))
+    n_dec, n_pre = int(rng.integers(0, 4)), int(rng.integers(0, 3))
+    reqs = [(int(rng.integers(0, 3 * block_size)), 1) for _ in range(max(1, n_dec))]
+    reqs += [(int(rng.integers(0, 2 * block_size)), int(rng.integers(2, 2 * block_size))) for _ in range(n_pre)]
+    pad = (int(rng.integers(0, 4)), int(rng.integers(0, 3)))
+    head = int(rng.choice([16, 24]))
+    for segments in ([None, 4] if n_pre == 0 else [None]):
+        out, ref, _, T = run_case(reqs, heads=heads, kv_heads=kv_heads, window=window, block_size=block_size,
+                                  dtype=torch.float32, seed=seed, pad=pad, head=head, segments=segments)
+        torch.testing.assert_close(out[:T].cpu(), ref[:T].cpu(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{reqs} window={window} segments={segments}: {m}")
+        assert torch.all(out[T:] == 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_accumulates_in_fp32(dtype):
     if dtype == torch.bfloat16 and not HAS_CUDA:

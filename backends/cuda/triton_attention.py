@@ -46,8 +46,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _find_request(qsl_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
     """The request owning global q block `target`: the last r with qsl[r] // BLOCK_Q + r <= target."""
-    lo = 0
-    hi = num_reqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
     while lo < hi:
         mid = (lo + hi) // 2
         val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
