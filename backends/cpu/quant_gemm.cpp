@@ -334,6 +334,47 @@ bool isa_compiled(int isa) {
   return false;
 }
 
+
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) { *p = f2bf(v); }
+
+// Rows of W -> out[N, K]; one block at a time through a float buffer (the loops vectorise).
+template <typename T>
+void dequantize_rows(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
+  const int64_t bs = block_size(qt), nblk = K / bs, row_bytes = nblk * block_bytes(qt);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float v[256];
+    for (int64_t b = 0; b < nblk; ++b) {
+      const uint8_t* blk = w + n * row_bytes + b * block_bytes(qt);
+      const float d = h2f(blk);
+      if (qt == Q8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+        for (int i = 0; i < 32; ++i) v[i] = d * (float)q[i];
+      } else if (qt == Q4_0 || qt == Q4_1) {
+        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
+        const float mn = qt == Q4_1 ? h2f(blk + 2) : -8.f * d;
+        for (int i = 0; i < 16; ++i) {
+          v[i] = d * (float)(qs[i] & 0xF) + mn;
+          v[i + 16] = d * (float)(qs[i] >> 4) + mn;
+        }
+      } else {  // Q4_K
+        const float dmin = h2f(blk + 2);
+        for (int j = 0; j < 8; ++j) {
+          int sc, mn;
+          scale_min_k4(j, blk + 4, &sc, &mn);
+          const uint8_t* qs = blk + 16 + (j / 2) * 32;
+          const float a = d * sc, c = dmin * mn;
+          const int shift = 4 * (j & 1);
+          for (int i = 0; i < 32; ++i) v[j * 32 + i] = a * (float)((qs[i] >> shift) & 0xF) - c;
+        }
+      }
+      T* o = out + n * K + b * bs;
+      for (int64_t i = 0; i < bs; ++i) put(o + i, v[i]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -392,36 +433,10 @@ int pr_quant_linear(int qt, const uint8_t* w, int64_t N, int64_t K, const void* 
 int pr_quant_dequantize(int qt, const uint8_t* w, int64_t N, int64_t K, void* out, int out_bf16) {
   if (!block_bytes(qt)) return 1;
   if (K % block_size(qt)) return 2;
-  const int64_t row_bytes = K / block_size(qt) * block_bytes(qt);
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    float v[256];
-    for (int64_t b = 0; b < K / block_size(qt); ++b) {
-      const uint8_t* blk = row + b * block_bytes(qt);
-      const float d = h2f(blk);
-      if (qt == Q8_0) {
-        for (int i = 0; i < 32; ++i) v[i] = d * (float)reinterpret_cast<const int8_t*>(blk + 2)[i];
-      } else if (qt == Q4_0 || qt == Q4_1) {
-        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
-        const float mn = qt == Q4_1 ? h2f(blk + 2) : -8.f * d;
-        for (int i = 0; i < 16; ++i) {
-          v[i] = d * (float)(qs[i] & 0xF) + mn;
-          v[i + 16] = d * (float)(qs[i] >> 4) + mn;
-        }
-      } else {  // Q4_K
-        const float dmin = h2f(blk + 2);
-        for (int j = 0; j < 8; ++j) {
-          int sc, mn;
-          scale_min_k4(j, blk + 4, &sc, &mn);
-          const uint8_t* qs = blk + 16 + (j / 2) * 32;
-          for (int i = 0; i < 32; ++i) v[j * 32 + i] = d * sc * (float)((qs[i] >> (4 * (j & 1))) & 0xF) - dmin * mn;
-        }
-      }
-      const int64_t bs = block_size(qt), base = n * K + b * bs;
-      for (int64_t i = 0; i < bs; ++i) store(out, out_bf16, base + i, v[i]);
-    }
-  }
+  if (out_bf16)
+    dequantize_rows(qt, w, N, K, static_cast<uint16_t*>(out));
+  else
+    dequantize_rows(qt, w, N, K, static_cast<float*>(out));
   return 0;
 }
 

@@ -30,7 +30,7 @@ from polyrunner.backends.cpu import kernels
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
-PREFILL_ROWS = 32  # above: dequantise + dense matmul
+PREFILL_ROWS = 16  # above: dequantise + dense matmul (measured crossover ~16-24 rows, 1 thread)
 _declared: set[int] = set()
 
 

@@ -1,0 +1,147 @@
+"""The embedded SmolLM2 Q4_1 GGUF run quantized on the CPU backend, against the
+same file dequantised to float32 (the path checked against transformers in test_gguf.py).
+
+- Greedy, 8 prompts x 64 tokens. Quantized with float32 activations
+  (`quantization="gguf", dtype="float32"`): the first 16 tokens of each prompt
+  equal float32's, except that one prompt may diverge where float32 itself is
+  at a near-tie (its top two tokens within NEAR_TIE nats: int8 activations,
+  like llama.cpp's, may pick either; vLLM's `check_logprobs_close` accepts such
+  a divergence the same way). The default (bfloat16 activations) may diverge
+  early only at near-ties, and on no more prompts than the dequantised
+  bfloat16 path does (measured: 2 and 3 of 8).
+- Perplexity of a fixed public-domain text (tests/data/) within 2%. Prompt
+  logprobs come from the model's own `compute_logits` (the dense LM head), so
+  this checks every quantized linear; the quantized LM head (Q8_0) is checked
+  by the greedy tokens, which go through it.
+- The forced AVX2 path (`POLYRUNNER_CPU_QUANT_ISA=avx2`) gives the same tokens
+  as the default path (the same integer sums).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from polyrunner import LLM, SamplingParams  # noqa: E402
+from polyrunner.backends.cpu import kernels, quant_linear as ql  # noqa: E402
+from polyrunner.models.gguf.quantized import select_quantization  # noqa: E402
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time,",
+    "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n",
+    "The three laws of thermodynamics are",
+    "import numpy as np\n\nx = np.arange(10)\n",
+    "My favourite recipe for pancakes:",
+    "Q: What is 12 times 7?\nA:",
+]
+TEXT = (Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt").read_text()
+NEAR_TIE = 0.25  # nats
+COMMON = dict(backend="cpu", max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+
+pytestmark = pytest.mark.skipif(ql.library() is None, reason="no CPU kernel library (no C++ compiler?)")
+
+
+def greedy(llm: LLM, max_tokens: int = 64, logprobs: int | None = None):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    return [o.token_ids for o in outs] if logprobs is None else [(o.token_ids, o.logprobs) for o in outs]
+
+
+def early_divergences(got: list[list[int]], want: list[tuple[list[int], list]], n: int = 16) -> list[str]:
+    """Prompts whose first n tokens differ from the reference's; each must differ at a near-tie."""
+    early = []
+    for prompt, a, (b, b_logprobs) in zip(PROMPTS, got, want):
+        i = next((i for i, (x, y) in enumerate(zip(a[:n], b[:n])) if x != y), n)
+        if i < n:
+            top = b_logprobs[i]
+            gap = top[b[i]].logprob - top[a[i]].logprob if a[i] in top else math.inf
+            assert gap < NEAR_TIE, f"{prompt!r}: token {i} is {a[i]}, float32 gave {b[i]} by {gap:.3f} nats"
+            early.append(prompt)
+    return early
+
+
+def perplexity(llm: LLM) -> float:
+    out = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    lps = [pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    assert len(lps) > 300
+    return math.exp(-sum(lps) / len(lps))
+
+
+def quant_modules(llm: LLM) -> list[ql.QuantLinear]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, ql.QuantLinear)]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    llm = LLM(dtype="float32", **COMMON)
+    assert llm.engine.quantization is None and not quant_modules(llm)
+    return greedy(llm, logprobs=5), perplexity(llm)
+
+
+@pytest.fixture(scope="module")
+def quantized32():
+    llm = LLM(quantization="gguf", dtype="float32", **COMMON)
+    return greedy(llm), perplexity(llm)
+
+
+def test_default_for_gguf_is_quantized():
+    llm = LLM(**COMMON)   # a GGUF model on the CPU, dtype auto: quantized
+    assert llm.engine.quantization == "gguf"
+    swapped = quant_modules(llm)
+    assert len(swapped) == 4 * llm.engine.arch.num_layers + 1      # qkv, o, gate_up, down per layer + LM head
+    assert {m.qtype for m in swapped} == {"Q4_1", "Q8_0"}           # the file's types (Q8_0: tied embedding)
+
+
+def test_quantized_float32_greedy_matches_dequantised_float32(dense, quantized32):
+    got, _ = quantized32
+    assert all(len(a) == 64 for a in got)
+    assert len(early_divergences(got, dense[0])) <= 1
+
+
+def test_quantized_perplexity_within_2_percent(dense, quantized32):
+    assert abs(quantized32[1] / dense[1] - 1) < 0.02, (quantized32[1], dense[1])
+
+
+def test_default_bfloat16_quantized_no_worse_than_dequantised_bfloat16(dense):
+    quant = LLM(**COMMON)
+    early_quant = early_divergences(greedy(quant), dense[0])
+    ppl = perplexity(quant)
+    assert abs(ppl / dense[1] - 1) < 0.02, (ppl, dense[1])
+    del quant
+    bf16 = LLM(dtype="bfloat16", **COMMON)      # an explicit dtype dequantises
+    assert bf16.engine.quantization is None and not quant_modules(bf16)
+    assert len(early_quant) <= len(early_divergences(greedy(bf16), dense[0])), early_quant
+
+
+def test_forced_avx2_path_gives_the_same_tokens(quantized32, monkeypatch):
+    if not kernels._X86:
+        pytest.skip("not an x86 CPU: no AVX2 path")
+    monkeypatch.setenv("POLYRUNNER_CPU_QUANT_ISA", "avx2")
+    llm = LLM(quantization="gguf", dtype="float32", **COMMON)
+    assert {m.isa for m in quant_modules(llm)} == {"avx2"}
+    assert [a[:16] for a in quantized32[0]] == greedy(llm, 16)
+
+
+class _Backend:
+    name = "nodev"
+    supported_quantization = ()
+
+
+def test_quantization_argument_errors_use_vllms_wording():
+    gguf_config = {"polyrunner_gguf": {"quantized_weights": "gguf_quantized.json"}}
+    with pytest.raises(ValueError, match=r"Quantization method specified in the model config \(None\) does not "
+                                         r"match the quantization method specified in the `quantization` "
+                                         r"argument \(gguf\)\."):
+        select_quantization("gguf", "auto", {}, _Backend())
+    with pytest.raises(ValueError, match="gguf quantization is currently not supported in nodev."):
+        select_quantization("gguf", "auto", gguf_config, _Backend())
+    assert select_quantization(None, "auto", gguf_config, _Backend()) is None
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(quantization="awq", **COMMON)
