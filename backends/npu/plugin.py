@@ -10,7 +10,9 @@ reason, never raised.
 
 - Buckets and graphs: the CUDA plugin's capture sizes and static-buffer
   executor over `torch.npu.NPUGraph` (ACL graph mode, full-model decode-only
-  graphs captured largest first in one pool). Inside graphs attention is the
+  graphs keyed by batch size, captured largest first in one pool; the static
+  decode reads up to `max_seq_len_to_capture` tokens per request, longer
+  contexts run eagerly). Inside graphs attention is the
   static SDPA decode (pure tensor ops); eager steps use torch_npu's
   `_npu_reshape_and_cache` + `_npu_paged_attention` for decodes when present.
 - KV: one 2 MiB-aligned raw buffer per layer holding K then V, each half
@@ -51,6 +53,7 @@ from polyrunner.plugin_api import (
     pinned_upload,
     profiled_kv_budget,
     sdpa_paged_attention,
+    worst_case_profile,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,6 +133,7 @@ class NPUBackend(Backend):
             raise RuntimeError(f"npu backend is unavailable: {reason}")
         self._device = torch.device("npu", torch.npu.current_device())
         self._copy_stream = None
+        self._executor: StaticGraphExecutor | None = None
 
     @classmethod
     def probe(cls) -> Availability:
@@ -162,7 +166,10 @@ class NPUBackend(Backend):
         return graph_bucket_policy(config)
 
     def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
-        return profiled_kv_budget(torch.npu, config, weights_bytes, profile, "npu")
+        """The worst steps' peak plus the ACL graph pool's estimate stay free of KV (as on CUDA)."""
+        ex, buckets = self._executor, self.bucket_policy(config)
+        reserve = (lambda per_token: ex.pool_reserve_bytes(per_token, buckets)) if ex is not None else None
+        return profiled_kv_budget(torch.npu, config, weights_bytes, worst_case_profile(profile), "npu", reserve)
 
     def num_kv_blocks(self, spec: KVCacheSpec, budget_bytes: int) -> int:
         return split_kv_num_blocks(spec, budget_bytes, self.kv_alignment_bytes)
@@ -173,8 +180,9 @@ class NPUBackend(Backend):
     attention = staticmethod(npu_paged_attention)
 
     def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
-        return StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
-                                   enforce_eager=config.runner.enforce_eager)
+        self._executor = StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
+                                             enforce_eager=config.runner.enforce_eager)
+        return self._executor
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
