@@ -211,8 +211,9 @@ class ModelRunner:
         step = None
         if (all_decode and last is not None and not so.new_block_ids
                 and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
-            on_device = last[3] is None
-            step = next_decode_inputs(last[1], last[1].input_ids if on_device else last[3], self.block_size)
+            on_device = last[3] is None   # the host ids stay placeholders: the tokens are on the device
+            sampled = np.full(R, PLACEHOLDER, np.int64) if on_device else last[3]
+            step = next_decode_inputs(last[1], sampled, self.block_size)
             if step is not None:
                 fed = prev.sampled[:R].to(torch.int64) if on_device else None
                 inputs = self._to_device(step, last[2], fed)
