@@ -19,6 +19,7 @@ import torch
 from polyrunner import LLM, SamplingParams
 from polyrunner.backends.cpu.plugin import CPUBackend
 from polyrunner.device.backend import HostFuture
+from polyrunner.device.buckets import BucketPolicy, exponential_sizes
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance import run_conformance
@@ -65,10 +66,21 @@ class NeverCopiedCPU(DeferredCopyCPU):
         return HostFuture(torch.zeros(tensor.shape, dtype=tensor.dtype))
 
 
+class DeferredCopyPaddedCPU(DeferredCopyCPU):
+    """The same, padding every step to power-of-two token and request buckets."""
+
+    name = "cpu-deferred-copy-padded"
+    capabilities = dataclasses.replace(DeferredCopyCPU.capabilities, static_shapes=True)
+
+    def bucket_policy(self, config):
+        s = config.scheduler
+        return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), exponential_sizes(1, s.max_num_seqs))
+
+
 class _Plugin:
     @hookimpl
     def polyrunner_backends(self):
-        return [DeferredCopyCPU, NeverCopiedCPU]
+        return [DeferredCopyCPU, DeferredCopyPaddedCPU, NeverCopiedCPU]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -157,7 +169,8 @@ def workload(folder) -> tuple[list[dict], list[SamplingParams]]:
     dict(),                                                      # chunked prefill, preemption, prefix cache
     dict(enable_prefix_caching=False, max_num_batched_tokens=256, enable_chunked_prefill=False,
          num_gpu_blocks_override=40, max_num_seqs=3),
-], ids=["chunked-preempt", "whole-prefills"])
+    dict(backend=DeferredCopyPaddedCPU.name),                   # steps padded to buckets
+], ids=["chunked-preempt", "whole-prefills", "padded"])
 def test_async_equals_sync(folder, kw):
     prompts, params = workload(folder)
     results, preemptions = {}, {}
