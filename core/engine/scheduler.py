@@ -66,7 +66,7 @@ class SchedulerOutput:
 
     `slots[i]` is row i's slot (the runner's `idx_mapping`); it computes
     `num_scheduled[i]` tokens from position `num_computed[i]` (int64 arrays,
-    read-only for consumers). Block ids come as
+    read-only for consumers); `samples[i]`: its sampled token counts. Block ids come as
     deltas per slot: `new_block_ids[slot]` extends the slot's table, after the
     table is emptied for slots in `reset_block_slots` (new or resumed requests).
     """

@@ -7,7 +7,8 @@ array operations:
 
 - `num_computed`: tokens whose KV is in the cache (`Request.num_computed_tokens`
   reads and writes it);
-- `num_tokens`: prompt + output tokens (kept by the scheduler as it appends);
+- `num_tokens`: prompt + output tokens, counting from `schedule()` on the token
+  a step will sample (a placeholder until `update()` appends it);
 - `length_limit`: `num_tokens` at which the request ends by length
   (max_tokens output tokens, or max_model_len);
 - `stop_table`: token id -> "may stop some request" (EOS unless ignore_eos, and
