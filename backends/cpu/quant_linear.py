@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_ge
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 PREFILL_ROWS = 16  # above: dequantise + dense matmul (measured crossover ~16-24 rows, 1 thread)
 _declared: set[int] = set()
+_scratch = threading.local()  # per thread: one reused buffer for dequantised weights (no mmap/fault per call)
 
 
 def library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
@@ -100,9 +102,9 @@ def quant_matmul(qtype: str, blocks: torch.Tensor, in_features: int, x: torch.Te
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32,
-               lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The weights `[N, K]` in `dtype` (float32 or bfloat16)."""
-    out = torch.empty((blocks.shape[0], in_features), dtype=dtype)
+               lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights `[N, K]` in `dtype` (float32 or bfloat16), into `out` when given."""
+    out = torch.empty((blocks.shape[0], in_features), dtype=dtype) if out is None else out
     _check(library(lib).pr_quant_dequantize(QTYPES[qtype], blocks.data_ptr(), blocks.shape[0], in_features,
                                             out.data_ptr(), int(dtype == torch.bfloat16)), "pr_quant_dequantize")
     return out
@@ -114,6 +116,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None, lib: ctypes.CDLL | None = None) -> None:
+        """`bias`: a dense layer's bias Parameter is kept as this module's (loaded later in place)."""
         super().__init__()
         if qtype not in QTYPES:
             raise ValueError(f"GGUF type {qtype!r} has no CPU kernel; allowed: {', '.join(QTYPES)}")
@@ -122,7 +125,7 @@ class QuantLinear(nn.Module):
         self.lib = library(lib)
         self.isa = default_isa(self.lib)
         self.register_buffer("blocks", blocks, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.bias = bias if isinstance(bias, nn.Parameter) or bias is None else nn.Parameter(bias.detach(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
@@ -131,7 +134,8 @@ class QuantLinear(nn.Module):
         if x.stride(1) != 1:
             x = x.contiguous()
         if x.shape[0] > PREFILL_ROWS:
-            y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib))
+            y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib,
+                                       _scratch_weight(self.out_features, self.in_features, x.dtype)))
             y = y if self.out_dtype is None else y.to(self.out_dtype)
         else:
             y = quant_matmul(self.qtype, self.blocks, self.in_features, x, self.out_dtype, self.isa, self.lib)
@@ -139,6 +143,14 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+
+
+def _scratch_weight(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused `[N, K]` buffer of this thread (its contents are dead after the call that fills it)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < N * K:
+        buf = _scratch.buf = torch.empty(max(N * K, 0 if buf is None else buf.numel()), dtype=dtype)
+    return buf[:N * K].view(N, K)
 
 
 def _module(weight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> QuantLinear | None:

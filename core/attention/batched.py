@@ -30,7 +30,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import causal_mask, gather_context, write_kv
@@ -106,6 +105,7 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     elif seq_len == n:
         causal = True  # no mask tensor: flash kernels apply
     else:
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it imports torch._dynamo (~2 s)
         mask = causal_lower_right(n, seq_len)  # query i at position seq_len - n + i, no tensor
     o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(ck), _bhsd(cv), attn_mask=mask, is_causal=causal,
                                        scale=spec.scale)

@@ -214,13 +214,14 @@ class Backend:
             raise ValueError(f"dtype {dtype} is not supported by backend {self.name!r}; allowed: {names}")
 
     def quantize_model(self, model: torch.nn.Module, weights: Any) -> int:
-        """OPTIONAL; at start-up, right after the model is loaded (dense), when the
-        engine runs a checkpoint format listed in `supported_quantization`.
+        """OPTIONAL; at start-up, when the engine runs a checkpoint format listed in
+        `supported_quantization`: the model is built but no weight is loaded yet.
         `weights` is a `QuantizedModel` (polyrunner.models.gguf.quantized): the
         model's "linear" modules with their quantized weights, and the LM head's.
         Swap in modules that compute with them (same call, same result within
-        the quantization's error); leave any you cannot run dense. Returns how
-        many it swapped (default: none)."""
+        the quantization's error; keep the dense module's `bias` parameter, which
+        is loaded afterwards); the dense weights of swapped linears are then not
+        loaded, those you leave are. Returns how many it swapped (default: none)."""
         return 0
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:

@@ -18,7 +18,7 @@ from polyrunner.engine.kv_manager import KVCacheManager, cdiv
 from polyrunner.models.source import resolve_model_folder
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.loader import checkpoint_dtype, load_model, read_hf_config
-from polyrunner.models.gguf.quantized import quantized_model, select_quantization
+from polyrunner.models.gguf.quantized import quantizer, select_quantization
 from polyrunner.models.registry import resolve_model_class
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.outputs import RequestOutput
@@ -62,11 +62,9 @@ class LLMEngine:
         self.quantization = select_quantization(config.model.quantization, config.model.dtype, hf_config,
                                                 self.backend)
         self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
+        prepare = None if self.quantization is None else quantizer(self.backend, self.model_folder, hf_config)
         model = load_model(self.model_folder, model_cls, self.arch, self.backend.attention,
-                           self.max_model_len, self.dtype, self.backend.device)
-        if self.quantization is not None:
-            swapped = self.backend.quantize_model(model, quantized_model(model, self.model_folder, hf_config))
-            logger.info("quantization %s: %d modules run quantized", self.quantization, swapped)
+                           self.max_model_len, self.dtype, self.backend.device, prepare)
         self.runner = ModelRunner(config, self.backend, model, self.arch, self.max_model_len, self.dtype)
         num_blocks = self.runner.initialize_kv_cache()
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -49,23 +49,30 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(folder: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: str | Path, dtype: torch.dtype,
+                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in `dtype`, except those named in `skip` (never read)."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                if name not in skip:
+                    yield name, f.get_tensor(name).to(dtype)
 
 
 def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
-               max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Build `model_cls` on `device` in `dtype` and load the folder's weights."""
+               max_positions: int, dtype: torch.dtype, device: torch.device,
+               prepare: Callable[[torch.nn.Module], Iterable[str]] | None = None) -> torch.nn.Module:
+    """Build `model_cls` on `device` in `dtype` and load the folder's weights.
+    `prepare(model)`, called before any weight is read, may replace modules and
+    returns the checkpoint names it made unneeded (they are not read)."""
     with torch.device("meta"):  # no random init: every parameter is loaded below
         model = model_cls(arch, attn_op, max_positions)
-    model.to_empty(device=device)
-    for param in model.parameters():  # buffers (rotary tables) stay float32, like Hugging Face
+    for param in model.parameters():  # on meta: free; buffers (rotary tables) stay float32, like Hugging Face
         param.data = param.data.to(dtype)
+    model.to_empty(device=device)  # uninitialised memory: untouched until loaded
     for module in model.modules():  # recompute non-persistent buffers lost on the meta device
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.load_weights(iter_weights(folder, dtype))
+    skip = frozenset(prepare(model)) if prepare is not None else frozenset()
+    model.load_weights(iter_weights(folder, dtype, skip))
     return model.eval().requires_grad_(False)

@@ -6,14 +6,18 @@ is on (`select_quantization`), the engine reads them (`quantized_model`),
 matched to the model's "linear" modules (a fused linear such as `qkv_proj`
 stacks the rows of its checkpoint parts, named by the model's vLLM-style
 `packed_modules_mapping`) and to the LM head, and hands them to the backend's
-`quantize_model`, which swaps in modules that compute with the blocks as they
-are. Device-neutral: blocks are host numpy bytes; what runs them is the backend's.
+`quantize_model` before any dense weight is read; the backend swaps in modules
+that compute with the blocks as they are, and the dense weights of the swapped
+linears are then never read (`QuantizedModel.replaced_weights`).
+Device-neutral: blocks are host numpy bytes; what runs them is the backend's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,8 @@ import numpy as np
 from torch import nn
 
 from polyrunner.models.gguf.errors import GGUFError
+
+logger = logging.getLogger(__name__)
 
 # GGML type -> (weights per block, bytes per block), for the types GGUF files carry.
 _BLOCKS = {
@@ -52,6 +58,12 @@ class QuantizedModel:
 
     linears: list[tuple[nn.Module, str, nn.Module, QuantizedWeight]] = field(default_factory=list)
     lm_head: QuantizedWeight | None = None
+    sources: dict[int, list[str]] = field(default_factory=dict)  # id(dense module) -> its checkpoint weights
+
+    def replaced_weights(self) -> set[str]:
+        """Checkpoint names of the weight matrices of the linears the backend swapped out."""
+        return {name for parent, attr, dense, _ in self.linears if getattr(parent, attr) is not dense
+                for name in self.sources[id(dense)]}
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
@@ -77,6 +89,18 @@ def select_quantization(requested: str | None, dtype: str, hf_config: dict[str, 
     if requested not in supported:
         raise ValueError(f"{requested} quantization is currently not supported in {backend.name}.")
     return requested
+
+
+def quantizer(backend: Any, folder: str | Path, hf_config: dict[str, Any]) -> Callable[[nn.Module], set[str]]:
+    """`load_model`'s `prepare` for quantized execution: `backend.quantize_model`
+    swaps the built (not yet loaded) model's modules; returns the checkpoint
+    names that are then not read."""
+    def prepare(model: nn.Module) -> set[str]:
+        qm = quantized_model(model, folder, hf_config)
+        swapped = backend.quantize_model(model, qm)
+        logger.info("quantization gguf: %d modules run quantized by backend %s", swapped, backend.name)
+        return qm.replaced_weights()
+    return prepare
 
 
 def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dict[str, QuantizedWeight]:
@@ -118,17 +142,19 @@ def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, A
         if role != "linear" or not isinstance(module, nn.Linear):
             continue
         prefix, _, leaf = names[id(module)].rpartition(".")
-        parts = [_lookup(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
-        stacked = _stack(parts, (module.out_features, module.in_features))
+        found = [_find(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
+        stacked = _stack([weights.get(name) for name in found], (module.out_features, module.in_features))
         if stacked is not None:
             result.linears.append((parent, attr, module, stacked))
+            result.sources[id(module)] = found
     head = "embed_tokens" if hf_config.get("tie_word_embeddings") else "lm_head"
-    result.lm_head = _lookup(weights, head)
+    result.lm_head = weights.get(_find(weights, head))
     return result
 
 
-def _lookup(weights: dict[str, QuantizedWeight], module_name: str) -> QuantizedWeight | None:
-    return weights.get(f"model.{module_name}.weight") or weights.get(f"{module_name}.weight")
+def _find(weights: dict[str, QuantizedWeight], module_name: str) -> str:
+    """The checkpoint name of a module's weight (Hugging Face names carry a "model." prefix)."""
+    return f"model.{module_name}.weight" if f"model.{module_name}.weight" in weights else f"{module_name}.weight"
 
 
 def _stack(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> QuantizedWeight | None:
