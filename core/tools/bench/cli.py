@@ -39,7 +39,7 @@ def _expand(names: list[str]) -> list[str]:
 
 
 def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enforce_eager: bool = False,
-              overhead_steps: int = 200) -> dict[str, Any]:
+              overhead_steps: int = 200, **options) -> dict[str, Any]:
     from polyrunner.tools.bench import roofline
     from polyrunner.tools.bench.run import cold_start, run_all_workloads
     from polyrunner.tools.bench.workloads import make_workload
@@ -47,7 +47,7 @@ def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enfo
     out: dict[str, Any] = {"load_avg_start": os.getloadavg()}
     gen = [n for n in names if n in ("w1", "w2", "w3")]
     if gen:
-        out["workloads"] = run_all_workloads(gen, repeats, model, enforce_eager)
+        out["workloads"] = run_all_workloads(gen, repeats, model, enforce_eager, **options)
     if "coldstart" in names:
         out["coldstart"] = cold_start(repeats)
     if "overhead" in names:

@@ -116,6 +116,7 @@ def cold_start(repeats: int = 3) -> dict[str, Any]:
 
 
 def run_all_workloads(names: list[str], repeats: int, model: str | None = None,
-                      enforce_eager: bool = False) -> list[dict[str, Any]]:
-    llm = make_llm(model, enforce_eager)
+                      enforce_eager: bool = False, **options) -> list[dict[str, Any]]:
+    """`options`: more `LLM` arguments (e.g. dtype="bfloat16": a GGUF model dequantised)."""
+    llm = make_llm(model, enforce_eager, **options)
     return [run_workload(llm, make_workload(n), repeats) for n in names]
