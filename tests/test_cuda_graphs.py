@@ -183,3 +183,26 @@ def test_triton_attention_graphs_one_key_per_batch_size(tiny_llama):
     assert outs["cpu-simgraph-triton"] == outs["cpu"]
     assert sorted(ex.graphs) == [1, 2] and ex._width == 4  # the whole block table, one graph per size
     assert ex.counters()["replays"] >= 2
+
+
+# ---- the CUDA plugin's attention choice ------------------------------------------------------
+def test_attention_falls_back_to_sdpa_with_a_warning(monkeypatch, caplog):
+    import importlib.util as iu
+    import logging
+    from polyrunner.attention.batched import sdpa_paged_attention
+    from polyrunner.backends.cuda import plugin
+    real = iu.find_spec
+    monkeypatch.setattr(iu, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with caplog.at_level(logging.WARNING):
+        assert plugin.load_attention() == (sdpa_paged_attention, False)
+    assert "triton is not installed" in caplog.text
+    monkeypatch.setattr(iu, "find_spec", real)
+    monkeypatch.setenv("POLYRUNNER_CUDA_TRITON", "0")
+    assert plugin.load_attention() == (sdpa_paged_attention, False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_attention_is_triton_when_installed():
+    from polyrunner.backends.cuda import plugin
+    op, length_adaptive = plugin.load_attention()
+    assert op.__name__ == "triton_paged_attention" and length_adaptive
