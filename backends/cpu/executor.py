@@ -23,7 +23,7 @@
   shared host a thread whose core another process holds stalls it for a time
   slice; the decode kernels (small-M linears, decode attention, greedy argmax)
   therefore run on a work-sharing pool (`thread_pool.cpp`) that never waits for a
-  thread that has not started.
+  thread that has not started; it takes part with the same count as OpenMP.
 - No graphs: steps here are bound by memory bandwidth (weights + KV) and by
   oneDNN's small-M matmul rate; eager dispatch is a small part of a step (see
   benchmarks/README.md).
@@ -275,6 +275,7 @@ class CPUExecutor(GraphExecutor):
             n = self.governor.threads() if self.governor is not None else self.threads
         if n != self._current_threads:
             torch.set_num_threads(n)
+            kernels.set_pool_threads(n)
             self._current_threads = n
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:

@@ -146,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_pool_start.restype = ctypes.c_int
     lib.pr_pool_start.argtypes = [ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.pr_pool_helpers.restype = ctypes.c_int
+    lib.pr_pool_set_active.restype = ctypes.c_int
+    lib.pr_pool_set_active.argtypes = [ctypes.c_int]
     lib.pr_argmax_f32.restype = None
     lib.pr_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.pr_dpbf16_available.restype = ctypes.c_int
@@ -314,6 +316,13 @@ def argmax_f32(logits: torch.Tensor) -> torch.Tensor:
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.pr_argmax_f32(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr())
     return out
+
+
+def set_pool_threads(threads: int) -> int:
+    """Let `threads` of the pool's threads (caller included) take part in the next
+    calls (clamped to the pool's size); the rest sleep. Returns the number set."""
+    lib = paged_attention_kernel()
+    return 1 if lib is None else lib.pr_pool_set_active(threads)
 
 
 def dpbf16_available() -> bool:

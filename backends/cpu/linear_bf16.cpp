@@ -35,6 +35,7 @@ int pool_helpers();
 #ifdef PR_DPBF16
 namespace {
 constexpr int MR_MAX = 6, NC_MAX = 4;
+constexpr int64_t KC = 128, KB_MAX_M = 64;  // K slices (pairs) for M in (MR_MAX, KB_MAX_M]
 #ifndef PR_PF
 #define PR_PF 32
 #endif
@@ -42,15 +43,21 @@ constexpr int64_t PF = PR_PF;  // pairs prefetched ahead (PF * 256 bytes)
 
 // rows [0, MR) of x (row stride x_ts) times NC column blocks starting at `w`
 // (block stride bstride elements) -> y (row stride y_ts), columns [0, 16 * NC).
+// Pairs [0, npairs) of rows [0, MR) of x (row stride x_ts) times NC column blocks of a
+// group (w: its first pair here, `nc_all` blocks wide). Sums start from `part`
+// ([MR][64] floats) when `resume`, else zero; they end in y (row stride y_ts,
+// rounded to bfloat16) when `last`, else back in `part`.
 template <int MR, int NC>
-void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t npairs, uint16_t* y, int64_t y_ts) {
+void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t nc_all, int64_t npairs, uint16_t* y,
+           int64_t y_ts, float* part, bool resume, bool last) {
   __m512 acc[MR][NC];
   for (int i = 0; i < MR; ++i)
-    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) acc[i][c] = resume ? _mm512_loadu_ps(part + i * 64 + 16 * c) : _mm512_setzero_ps();
+  const int64_t wstep = 32 * nc_all;
   for (int64_t kp = 0; kp < npairs; ++kp) {
-    const uint16_t* wk = w + kp * 32 * NC;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 32 * NC), _MM_HINT_T0);
-    if (NC > 2) _mm_prefetch(reinterpret_cast<const char*>(wk + PF * 32 * NC + 64), _MM_HINT_T0);
+    const uint16_t* wk = w + kp * wstep;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep), _MM_HINT_T0);
+    if (NC > 2) _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep + 64), _MM_HINT_T0);
     __m512bh wv[NC];
     for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wk + c * 32);
     for (int i = 0; i < MR; ++i) {
@@ -61,12 +68,16 @@ void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t npairs, u
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * y_ts + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(acc[i][c]));
+    for (int c = 0; c < NC; ++c) {
+      if (last)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * y_ts + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[i][c]));
+      else
+        _mm512_storeu_ps(part + i * 64 + 16 * c, acc[i][c]);
+    }
 }
 
-using Micro = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t);
+using Micro = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, float*, bool,
+                       bool);
 
 template <int NC>
 Micro pick_rows(int mr) {
@@ -98,17 +109,27 @@ struct Call {
 };
 
 // Tasks [chunk * per_chunk, ...): each one group of up to NC_MAX blocks, every row.
+// More than MR_MAX rows: the group's pairs go in slices of KC (64 columns x KC pairs
+// = 32 KiB, in L1) with every row pass over a slice before the next, sums kept in `part`.
 void run_chunk(void* ctx, int64_t chunk, int) {
   const Call& c = *static_cast<const Call*>(ctx);
   const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
   const int64_t t1 = std::min(ntasks, (chunk + 1) * c.per_chunk);
+  const int64_t kc = c.M > MR_MAX && c.M <= KB_MAX_M ? KC : c.npairs;
+  alignas(64) float part[KB_MAX_M * 64];
   for (int64_t t = chunk * c.per_chunk; t < t1; ++t) {
     const int64_t nb0 = t * NC_MAX;
     const int nc = int(std::min<int64_t>(c.nblocks - nb0, NC_MAX));
     const uint16_t* w = c.wp + nb0 * 32 * c.npairs;
-    for (int64_t m0 = 0; m0 < c.M; m0 += MR_MAX) {
-      const int mr = int(std::min<int64_t>(c.M - m0, MR_MAX));
-      pick(mr, nc)(c.x + m0 * c.x_ts, c.x_ts, w, c.npairs, c.y + m0 * c.y_ts + nb0 * 16, c.y_ts);
+    for (int64_t k0 = 0; k0 < c.npairs; k0 += kc) {
+      const int64_t nk = std::min(kc, c.npairs - k0);
+      const bool resume = k0 > 0, last = k0 + nk >= c.npairs;
+      for (int64_t m0 = 0; m0 < c.M; m0 += MR_MAX) {
+        const int mr = int(std::min<int64_t>(c.M - m0, MR_MAX));
+        float* pm = part + (kc < c.npairs ? m0 * 64 : 0);
+        pick(mr, nc)(c.x + m0 * c.x_ts + 2 * k0, c.x_ts, w + k0 * 32 * nc, nc, nk, c.y + m0 * c.y_ts + nb0 * 16,
+                     c.y_ts, pm, resume, last);
+      }
     }
   }
 }

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <ctime>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -60,6 +61,7 @@ struct Pool {
   Job jobs[2];
   std::atomic<bool> stop{false};
   std::atomic<int64_t> spin_ns{200000};
+  std::atomic<int> active{1};  // threads that take part (caller included): helpers 1 .. active - 1
   std::vector<std::thread> workers;
   std::mutex busy;     // held by the one caller running a job
   std::mutex control;  // start/stop
@@ -70,11 +72,14 @@ Pool& pool() {
   return *p;
 }
 
-inline void futex_wait(std::atomic<uint32_t>* w, uint32_t expected) {
+// Sleep while *w == expected (at most timeout_ms when > 0), or until woken.
+inline void futex_wait(std::atomic<uint32_t>* w, uint32_t expected, int timeout_ms = 0) {
 #ifdef __linux__
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+  struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), FUTEX_WAIT_PRIVATE, expected, timeout_ms > 0 ? &ts : nullptr,
+          nullptr, 0);
 #else
-  (void)w, (void)expected;
+  (void)w, (void)expected, (void)timeout_ms;
   std::this_thread::sleep_for(std::chrono::microseconds(50));
 #endif
 }
@@ -118,10 +123,15 @@ void helper_main(int worker, std::vector<int> cpus) {
   Pool& p = pool();
   uint32_t seen = p.gen32.load(std::memory_order_acquire);
   while (!p.stop.load(std::memory_order_acquire)) {
+    uint32_t g = p.gen32.load(std::memory_order_acquire);
+    if (worker >= p.active.load(std::memory_order_relaxed)) {  // not taking part: sleep, skipping jobs
+      seen = g;
+      futex_wait(&p.gen32, seen, 20);  // (a wake from pr_pool_set_active may come just before)
+      continue;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t spin = p.spin_ns.load(std::memory_order_relaxed);
-    uint32_t g = p.gen32.load(std::memory_order_acquire);
-    for (int i = 0; g == seen; ++i) {
+    for (int i = 0; g == seen; ++i) {  // spin a while for the next job
       PR_PAUSE();
       g = p.gen32.load(std::memory_order_acquire);
       if ((i & 63) == 63 && std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -145,7 +155,7 @@ void parallel_for(int64_t n, ChunkFn fn, void* ctx) {
   Pool& p = pool();
   if (n <= 0) return;
   std::unique_lock<std::mutex> lock(p.busy, std::try_to_lock);
-  if (n == 1 || p.workers.empty() || !lock.owns_lock()) {
+  if (n == 1 || p.active.load(std::memory_order_relaxed) <= 1 || !lock.owns_lock()) {
     for (int64_t i = 0; i < n; ++i) fn(ctx, i, 0);
     return;
   }
@@ -165,8 +175,8 @@ void parallel_for(int64_t n, ChunkFn fn, void* ctx) {
   }
 }
 
-// Helpers the pool runs (not counting the caller).
-int pool_helpers() { return int(pool().workers.size()); }
+// Helpers taking part in jobs now (not counting the caller).
+int pool_helpers() { return pool().active.load(std::memory_order_relaxed) - 1; }
 }  // namespace pr
 
 extern "C" {
@@ -191,7 +201,18 @@ int pr_pool_start(int threads, const int* cpus, int ncpus, int spin_us) {
   p.spin_ns.store(int64_t(std::max(0, spin_us)) * 1000);
   std::vector<int> set(cpus, cpus + std::max(0, ncpus));
   for (int w = 1; w < threads; ++w) p.workers.emplace_back(pr::helper_main, w, set);
+  p.active.store(int(p.workers.size()) + 1);
   return int(p.workers.size());
+}
+
+// Let only `threads` threads (the caller and helpers 1 .. threads - 1) take part
+// from the next job on, e.g. fewer while other processes keep cores busy; the
+// others sleep. Clamped to [1, helpers + 1]; returns the value set.
+int pr_pool_set_active(int threads) {
+  pr::Pool& p = pr::pool();
+  const int n = std::max(1, std::min(threads, int(p.workers.size()) + 1));
+  if (p.active.exchange(n) < n) pr::futex_wake_all(&p.gen32);  // sleepers that now take part
+  return n;
 }
 
 int pr_pool_helpers() { return pr::pool_helpers(); }
