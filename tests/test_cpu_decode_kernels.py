@@ -135,3 +135,86 @@ def test_decode_attention_skips_padded_requests(cpu_kernels, pool_threads):
                                    meta.block_tables, out, spec.scale, 0)
     torch.testing.assert_close(out[:2], expected, atol=2e-2, rtol=2e-2)
     assert torch.all(out[2:] == 0)
+
+
+# ---- greedy argmax ------------------------------------------------------------------
+def test_argmax_matches_torch(cpu_kernels, pool_threads):
+    """First maximum, NaN counting as the maximum (torch.argmax), any row length."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 49152, generator=g)
+    x[1, 100] = x[1, 40000] = float("nan")   # first NaN wins
+    x[2] = float("-inf")                      # all -inf: index 0
+    x[3, 7] = x[3, 9] = 100.0                 # ties: the first
+    x[4, 49151] = float("nan")                # NaN in the last lane
+    x[5, 49150] = 1e30                        # maximum in the scalar tail region
+    x[6, 3] = float("inf")
+    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
+        for t in (x, x[:, :17], x[:, :5], x[:, :1], x[:1], x[::2], x[:0]):
+            assert torch.equal(kernels.argmax_f32(t), t.argmax(dim=-1))
+        y = torch.randn(3, 40, dtype=torch.bfloat16)   # not float32: torch's own
+        assert torch.equal(kernels.argmax_f32(y), y.argmax(dim=-1))
+
+
+def test_sampler_uses_the_backend_argmax_for_greedy_rows():
+    """`Sampler(argmax=)` (the core hook the CPU executor fills) replaces argmax for
+    greedy rows only, after the logits processors."""
+    from polyrunner.sample import Sampler, SamplingMetadata
+    calls = []
+
+    def argmax(logits):
+        calls.append(logits.clone())
+        return logits.argmax(dim=-1)
+
+    logits = torch.randn(3, 50)
+    meta = SamplingMetadata(num_reqs=3, all_greedy=True, all_random=False,
+                            allowed_token_ids_mask=torch.zeros(3, 50, dtype=torch.bool))
+    meta.allowed_token_ids_mask[:, 0] = True   # token 0 masked before the argmax
+    logits[:, 0] = 1e9
+    out = Sampler(argmax=argmax)(logits, meta)
+    assert len(calls) == 1 and torch.all(calls[0][:, 0] == float("-inf"))
+    assert torch.equal(out.sampled_token_ids, logits[:, 1:].argmax(dim=-1) + 1)
+
+
+# ---- thread pool and thread count ------------------------------------------------------
+def test_pool_runs_every_chunk_once_whatever_takes_part(cpu_kernels):
+    """Every output is written exactly once whether 1, 2 or all 4 threads take part
+    (the rest asleep), and after a restart."""
+    x = torch.randn(37, 96)
+    w = torch.randn(1000, 96)  # 37 rows x 1000 features: many chunks
+    want = x.argmax(dim=-1)
+    assert cpu_kernels.pr_pool_start(4, None, 0, 50) == 3
+    try:
+        for active in (1, 2, 4, 9, 0):
+            assert cpu_kernels.pr_pool_set_active(active) == min(max(active, 1), 4)
+            with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
+                for _ in range(20):
+                    assert torch.equal(kernels.argmax_f32(x), want)
+                    got = kernels.argmax_f32(w)
+                    assert torch.equal(got, w.argmax(dim=-1))
+    finally:
+        cpu_kernels.pr_pool_start(1, None, 0, 200)
+
+
+def test_physical_cpus_takes_one_cpu_per_core(tmp_path):
+    from polyrunner.backends.cpu.threads import physical_cpus
+    siblings = {0: "0,4", 1: "1,5", 2: "2-3", 3: "2-3", 4: "0,4", 5: "1,5"}  # cpu 6: unreadable
+    for cpu, text in siblings.items():
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
+    assert physical_cpus([0, 1, 2, 3, 4, 5, 6], tmp_path) == [0, 1, 2, 6]
+    assert physical_cpus([4, 5, 3], tmp_path) == [3, 4, 5]
+
+
+def test_thread_settings_are_checked(monkeypatch):
+    from polyrunner.backends.cpu import threads
+    monkeypatch.setenv("POLYRUNNER_CPU_THREADS", "3")
+    assert threads.default_threads() == 3
+    monkeypatch.setenv("POLYRUNNER_CPU_THREADS", "auto")
+    assert threads.default_threads() == len(threads.physical_cpus()) >= 1
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("POLYRUNNER_CPU_THREADS", bad)
+        with pytest.raises(ValueError, match="POLYRUNNER_CPU_THREADS must be 'auto' or an integer >= 1"):
+            threads.default_threads()
+    monkeypatch.setenv("POLYRUNNER_CPU_SPIN_US", "-1")
+    with pytest.raises(ValueError, match="POLYRUNNER_CPU_SPIN_US must be an integer >= 0"):
+        threads.spin_us()
