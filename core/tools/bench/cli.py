@@ -44,7 +44,8 @@ def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enfo
     from polyrunner.tools.bench.run import cold_start, run_all_workloads
     from polyrunner.tools.bench.workloads import make_workload
     names = _expand(names)
-    out: dict[str, Any] = {"load_avg_start": os.getloadavg()}
+    from polyrunner.tools.bench.host import host_info
+    out: dict[str, Any] = {"host": host_info(), "load_avg_start": os.getloadavg()}
     gen = [n for n in names if n in ("w1", "w2", "w3")]
     if gen:
         out["workloads"] = run_all_workloads(gen, repeats, model, enforce_eager, **options)
@@ -72,7 +73,8 @@ def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enfo
 
 
 def format_report(out: dict[str, Any]) -> str:
-    lines = []
+    from polyrunner.tools.bench.host import format_host
+    lines = [format_host(out["host"])] if "host" in out else []
     for res in out.get("workloads", []):
         parts = [f"{res['workload']}: wall {res['wall_s']:.2f} s", f"out {res['output_tok_s']:.1f} tok/s",
                  f"total {res['total_tok_s']:.1f} tok/s"]
