@@ -8,8 +8,10 @@ reference by at most half a step per activation:
     |y - ref| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|
 
 (plus float32 accumulation and, for bfloat16 output, one rounding). That bound
-is the stated tolerance, checked for every quant type, both kernel builds and
-every instruction-set path; paths the CPU lacks are skipped with the reason.
+is the stated tolerance, checked for every quant type, both kernel builds,
+every instruction-set path and both weight layouts (the GGUF blocks as they
+are, and the row-interleaved "r8" copy of the 4-bit types on the SIMD paths);
+paths the CPU lacks are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def test_kernel_within_activation_rounding_of_the_dequantised_reference(variant,
     rng = np.random.default_rng([QTYPES.index(qtype), list(ql.ISAS).index(isa)])
     N, K = 40, 512
     blocks = random_blocks(rng, qtype, N, K)
+    layouts = [(torch.from_numpy(blocks), False)]
+    if ql.r8_supported(qtype, (N, K), isa, lib):
+        layouts.append((ql.repack8(qtype, layouts[0][0], K, lib), True))
+    elif qtype != "Q8_0" and isa != "scalar":
+        pytest.fail(f"{qtype} on {isa} should run the r8 layout")
     for M in (1, 2, 3, 4, 5, 9):      # every register tile size, and tails
         x = activations(rng, M, K)
         ref, bound = reference(qtype, blocks, x)
@@ -81,13 +88,15 @@ def test_kernel_within_activation_rounding_of_the_dequantised_reference(variant,
                 xt = torch.from_numpy(x).to(x_dtype)
                 xr = xt.float().numpy().astype(np.float64)
                 ref, bound = reference(qtype, blocks, xr)
-                y = ql.quant_matmul(qtype, torch.from_numpy(blocks), K, xt, out_dtype, isa, lib)
-                assert y.dtype == out_dtype and y.shape == (M, N)
-                y = y.float().numpy()
-                slack = 1e-5 * np.abs(ref).max(1, keepdims=True) + (2**-8 * np.abs(ref)
-                                                                    if out_dtype == torch.bfloat16 else 0)
-                excess = np.abs(y - ref) - (bound * 1.001 + slack)
-                assert excess.max() <= 0, (M, out_dtype, x_dtype, np.unravel_index(excess.argmax(), excess.shape))
+                for w, r8 in layouts:
+                    y = ql.quant_matmul(qtype, w, K, xt, out_dtype, isa, lib, r8)
+                    assert y.dtype == out_dtype and y.shape == (M, N)
+                    y = y.float().numpy()
+                    slack = 1e-5 * np.abs(ref).max(1, keepdims=True) + (2**-8 * np.abs(ref)
+                                                                        if out_dtype == torch.bfloat16 else 0)
+                    excess = np.abs(y - ref) - (bound * 1.001 + slack)
+                    assert excess.max() <= 0, (M, r8, out_dtype, x_dtype,
+                                               np.unravel_index(excess.argmax(), excess.shape))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -103,6 +112,11 @@ def test_paths_agree_and_dequantize_is_exact(qtype):
         lib = kernels.load_library(variant)
         if lib is not None and ql.isa_unavailable_reason(isa, lib) is None:
             outs[variant, isa] = ql.quant_matmul(qtype, torch.from_numpy(blocks), K, x, torch.float32, isa, lib)
+            if ql.r8_supported(qtype, (N, K), isa, lib):
+                w8 = ql.repack8(qtype, torch.from_numpy(blocks), K, lib)
+                outs[variant, isa, "r8"] = ql.quant_matmul(qtype, w8, K, x, torch.float32, isa, lib, r8=True)
+                d8 = ql.dequantize(qtype, w8, K, torch.float32, lib, r8=True)
+                np.testing.assert_array_equal(d8.numpy(), gguf.quants.dequantize(blocks, Q[qtype]))
     assert ("portable", "avx2") in outs or not kernels._X86, "the AVX2 path must run on every x86 CPU"
     base = outs["native", "scalar"]
     for key, y in outs.items():
@@ -114,14 +128,16 @@ def test_paths_agree_and_dequantize_is_exact(qtype):
     assert torch.equal(got16, torch.from_numpy(want).to(torch.bfloat16))
 
 
-def test_quant_linear_module_decode_and_prefill_paths():
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_linear_module_decode_and_prefill_paths(qtype):
     """Small steps run the integer kernel, large ones dequantise + dense matmul; bias and 3-D inputs."""
     rng = np.random.default_rng(3)
     N, K = 48, 256
-    blocks = torch.from_numpy(random_blocks(rng, "Q4_1", N, K))
+    blocks = torch.from_numpy(random_blocks(rng, qtype, N, K))
     bias = torch.randn(N)
-    mod = ql.QuantLinear("Q4_1", blocks, (N, K), bias)
-    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), Q.Q4_1))
+    mod = ql.QuantLinear(qtype, blocks, (N, K), bias)
+    assert mod.r8 == (qtype != "Q8_0" and mod.isa != "scalar")
+    w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), Q[qtype]))
     for M in (1, ql.PREFILL_ROWS, ql.PREFILL_ROWS + 1, 100):
         x = torch.randn(M, K)
         want = x @ w.T + bias

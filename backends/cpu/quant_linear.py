@@ -7,7 +7,10 @@ logits go through it); other types stay dense.
 
 A `QuantLinear` keeps the blocks (about 4.5 bits a weight for Q4_1) and
 quantizes its input per row to int8 blocks of 32 on every call, so a decode
-step streams the quantized weights once with integer dot products. A step of
+step streams the quantized weights once with integer dot products. The 4-bit
+types are repacked at load into the kernel's row-interleaved "r8" layout (8
+output rows per vector; same bytes for Q4_0/Q4_1, float32 scales for Q4_K);
+Q8_0 and the scalar path run the GGUF blocks as they are. A step of
 more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
 weight into the input's dtype and runs the dense matmul (oneDNN), which was
 faster there (see `tests/test_cpu_quant_kernels.py`, benchmarks/README.md).
@@ -31,7 +34,7 @@ from polyrunner.backends.cpu import kernels
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
-PREFILL_ROWS = 16  # above: dequantise + dense matmul (measured crossover ~16-24 rows, 1 thread)
+PREFILL_ROWS = 32  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
 _declared: set[int] = set()
 _scratch = threading.local()  # per thread: one reused buffer for dequantised weights (no mmap/fault per call)
 
@@ -49,6 +52,16 @@ def library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
         lib.pr_quant_linear.restype = i32
         lib.pr_quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
         lib.pr_quant_dequantize.restype = i32
+        lib.pr_quant_r8_supported.argtypes = [i32]
+        lib.pr_quant_r8_supported.restype = i32
+        lib.pr_quant_r8_bytes.argtypes = [i32, i64, i64]
+        lib.pr_quant_r8_bytes.restype = i64
+        lib.pr_quant_repack8.argtypes = [i32, ptr, i64, i64, ptr]
+        lib.pr_quant_repack8.restype = i32
+        lib.pr_quant_linear8.argtypes = lib.pr_quant_linear.argtypes
+        lib.pr_quant_linear8.restype = i32
+        lib.pr_quant_dequantize8.argtypes = lib.pr_quant_dequantize.argtypes
+        lib.pr_quant_dequantize8.restype = i32
         _declared.add(id(lib))
     return lib
 
@@ -82,11 +95,28 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (code {rc}: 1 unknown type or path, 2 bad K)")
 
 
+def r8_supported(qtype: str, shape: tuple[int, int], isa: str, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether a `shape` weight of `qtype` runs in the r8 layout on path `isa`."""
+    return (qtype in QTYPES and isa != "scalar" and shape[0] % 8 == 0 and shape[1] % 32 == 0
+            and bool(library(lib).pr_quant_r8_supported(QTYPES[qtype])))
+
+
+def repack8(qtype: str, blocks: torch.Tensor, in_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """GGUF blocks `[N, row_bytes]` -> the r8 layout (uint8 `[N / 8, group_bytes]`)."""
+    lib = library(lib)
+    N = blocks.shape[0]
+    out = torch.empty(lib.pr_quant_r8_bytes(QTYPES[qtype], N, in_features), dtype=torch.uint8)
+    _check(lib.pr_quant_repack8(QTYPES[qtype], blocks.contiguous().data_ptr(), N, in_features, out.data_ptr()),
+           "pr_quant_repack8")
+    return out.view(N // 8, -1)
+
+
 def quant_matmul(qtype: str, blocks: torch.Tensor, in_features: int, x: torch.Tensor,
                  out_dtype: torch.dtype | None = None, isa: str | None = None,
-                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                 lib: ctypes.CDLL | None = None, r8: bool = False) -> torch.Tensor:
     """`x [M, K] @ W^T` -> `[M, N]` in `out_dtype` (default x's); W: `blocks` uint8
-    `[N, row_bytes]` of GGUF type `qtype`; x float32 or bfloat16, unit stride on K."""
+    `[N, row_bytes]` of GGUF type `qtype` (r8: `repack8`'s `[N / 8, ...]`); x float32
+    or bfloat16, unit stride on K."""
     lib = library(lib)
     isa = isa or default_isa(lib)
     M, K = x.shape
@@ -94,19 +124,23 @@ def quant_matmul(qtype: str, blocks: torch.Tensor, in_features: int, x: torch.Te
         raise ValueError(f"x must be float32/bfloat16 [M, {in_features}] with unit stride, got "
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
     out_dtype = out_dtype or x.dtype
-    y = torch.empty((M, blocks.shape[0]), dtype=out_dtype)
-    _check(lib.pr_quant_linear(QTYPES[qtype], blocks.data_ptr(), blocks.shape[0], K, x.data_ptr(), x.stride(0),
-                               int(x.dtype == torch.bfloat16), M, y.data_ptr(), y.stride(0),
-                               int(out_dtype == torch.bfloat16), ISAS[isa]), "pr_quant_linear")
+    N = blocks.shape[0] * (8 if r8 else 1)
+    y = torch.empty((M, N), dtype=out_dtype)
+    fn = lib.pr_quant_linear8 if r8 else lib.pr_quant_linear
+    _check(fn(QTYPES[qtype], blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), M,
+              y.data_ptr(), y.stride(0), int(out_dtype == torch.bfloat16), ISAS[isa]), "pr_quant_linear")
     return y
 
 
 def dequantize(qtype: str, blocks: torch.Tensor, in_features: int, dtype: torch.dtype = torch.float32,
-               lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               lib: ctypes.CDLL | None = None, out: torch.Tensor | None = None, r8: bool = False) -> torch.Tensor:
     """The weights `[N, K]` in `dtype` (float32 or bfloat16), into `out` when given."""
-    out = torch.empty((blocks.shape[0], in_features), dtype=dtype) if out is None else out
-    _check(library(lib).pr_quant_dequantize(QTYPES[qtype], blocks.data_ptr(), blocks.shape[0], in_features,
-                                            out.data_ptr(), int(dtype == torch.bfloat16)), "pr_quant_dequantize")
+    lib = library(lib)
+    N = blocks.shape[0] * (8 if r8 else 1)
+    out = torch.empty((N, in_features), dtype=dtype) if out is None else out
+    fn = lib.pr_quant_dequantize8 if r8 else lib.pr_quant_dequantize
+    _check(fn(QTYPES[qtype], blocks.data_ptr(), N, in_features, out.data_ptr(), int(dtype == torch.bfloat16)),
+           "pr_quant_dequantize")
     return out
 
 
@@ -124,7 +158,13 @@ class QuantLinear(nn.Module):
         self.out_dtype = out_dtype
         self.lib = library(lib)
         self.isa = default_isa(self.lib)
+        self.r8 = r8_supported(qtype, shape, self.isa, self.lib)
+        if self.r8:
+            blocks = repack8(qtype, blocks, self.in_features, self.lib)
         self.register_buffer("blocks", blocks, persistent=False)
+        # the decode call, bound once (a step makes ~4 per layer: keep the Python path short)
+        self._call = (self.lib.pr_quant_linear8 if self.r8 else self.lib.pr_quant_linear,
+                      QTYPES[qtype], self.out_features, self.in_features, ISAS[self.isa])
         self.bias = bias if isinstance(bias, nn.Parameter) or bias is None else nn.Parameter(bias.detach(), False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,14 +175,22 @@ class QuantLinear(nn.Module):
             x = x.contiguous()
         if x.shape[0] > PREFILL_ROWS:
             y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib,
-                                       _scratch_weight(self.out_features, self.in_features, x.dtype)))
+                                       _scratch_weight(self.out_features, self.in_features, x.dtype), self.r8))
             y = y if self.out_dtype is None else y.to(self.out_dtype)
+        elif x.dtype in (torch.float32, torch.bfloat16) and x.shape[1] == self.in_features:
+            fn, qt, N, K, isa = self._call
+            out_dtype = self.out_dtype or x.dtype
+            y = torch.empty((x.shape[0], N), dtype=out_dtype)
+            _check(fn(qt, self.blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
+                      x.shape[0], y.data_ptr(), N, out_dtype == torch.bfloat16, isa), "pr_quant_linear")
         else:
-            y = quant_matmul(self.qtype, self.blocks, self.in_features, x, self.out_dtype, self.isa, self.lib)
+            y = quant_matmul(self.qtype, self.blocks, self.in_features, x, self.out_dtype, self.isa, self.lib,
+                             self.r8)   # raises the error naming what is wrong
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+        return (f"{self.qtype}, in_features={self.in_features}, out_features={self.out_features}, isa={self.isa}"
+                f"{', r8' if self.r8 else ''}")
 
 
 def _scratch_weight(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
