@@ -72,17 +72,22 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
     return "gguf" if gguf.get("quantized_weights") else None
 
 
-def select_quantization(requested: str | None, dtype: str, hf_config: dict[str, Any], backend: Any) -> str | None:
+def select_quantization(requested: str | None, dtype: str, hf_config: dict[str, Any], backend: Any,
+                        model: str | None = None) -> str | None:
     """The quantization the engine runs (None: dequantised weights).
 
     `requested` is `ModelConfig.quantization`: None runs the checkpoint's format
-    when the backend executes it (`backend.supported_quantization`) and `dtype`
-    is "auto" (an explicit dtype dequantises); "gguf" demands it (vLLM's errors
-    when the checkpoint or the backend disagrees)."""
+    when `model` is a .gguf file (None: the embedded default, one too; its
+    converted folder given as a folder stays dequantised, as benchmarks against
+    other runners use it), the backend executes the format
+    (`backend.supported_quantization`) and `dtype` is "auto" (an explicit dtype
+    dequantises); "gguf" demands it (vLLM's errors when the checkpoint or the
+    backend disagrees)."""
     found = checkpoint_quantization(hf_config)
     supported = tuple(getattr(backend, "supported_quantization", ()))
     if requested is None:
-        return found if found is not None and found in supported and dtype == "auto" else None
+        gguf_file = model is None or Path(model).suffix == ".gguf"
+        return found if found is not None and found in supported and dtype == "auto" and gguf_file else None
     if found != requested:
         raise ValueError(f"Quantization method specified in the model config ({found}) does not match the "
                          f"quantization method specified in the `quantization` argument ({requested}).")
