@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from polyrunner.device.backend import HostFuture
-
 from polyrunner.runner.output import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -80,6 +79,7 @@ class AsyncModelRunnerOutput:
         return self.tokens
 
     def get_output(self) -> ModelRunnerOutput:
+        """The step's result (waits for its tokens; reads its logprobs, once)."""
         tokens = self.resolve()
         result = self._make_output(tokens)
         if self._logprobs is not None:
