@@ -62,6 +62,13 @@ class SchedulerConfig(_Strict):
                                           "`Capabilities.async_scheduling`")
 
 
+class ParallelConfig(_Strict):
+    """How many devices share the model."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=512, description="ranks the model is sharded over "
+                                      "(vLLM's name): heads, MLP rows and the vocabulary split; one process each")
+
+
 class RunnerConfig(_Strict):
     """How the backend executes the model."""
 
@@ -77,6 +84,7 @@ class EngineConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     runner: RunnerConfig = RunnerConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _check_budget(self) -> "EngineConfig":

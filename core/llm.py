@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from polyrunner.beam_search import BeamSearchOutput, beam_search
-from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import BeamSearchParams, SamplingParams
@@ -30,7 +30,9 @@ class LLM:
     "priority" (with `generate(..., priority=[...])`); `long_prefill_token_threshold`
     caps the tokens a prefill computes in one step (0: no cap); `async_scheduling`
     schedules and prepares the next step while the device runs this one (None: when
-    the backend's `Capabilities.async_scheduling` allows it).
+    the backend's `Capabilities.async_scheduling` allows it); `tensor_parallel_size`
+    shards the model over that many devices, one process each (see
+    `polyrunner.distributed.launch`; `shutdown()` stops them, as does exit).
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
@@ -42,7 +44,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
-                 tokenizer: str | None = None, async_scheduling: bool | None = None, **runner_options) -> None:
+                 tokenizer: str | None = None, async_scheduling: bool | None = None,
+                 tensor_parallel_size: int = 1, **runner_options) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
                               tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
@@ -54,8 +57,13 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       policy=scheduling_policy, async_scheduling=async_scheduling),
-            runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options))
+            runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
         self.engine = LLMEngine(config)
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (nothing to do on one device)."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):

@@ -108,7 +108,7 @@ SMALL = dict(backend="cpu", max_model_len=128, kv_cache_memory_bytes=8 << 20)
 
 @pytest.mark.skipif(not NATIVE_BF16, reason=f"no native bfloat16 here: {WHY_BF16}")
 def test_bf16_checkpoint_runs_bf16_on_a_native_cpu(bf16_checkpoint, caplog):
-    with caplog.at_level(logging.INFO, logger="polyrunner.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="polyrunner.engine.model_setup"):
         llm = LLM(str(bf16_checkpoint), **SMALL)
     assert llm.engine.dtype == BF16
     assert any("dtype auto -> bfloat16" in r.getMessage() for r in caplog.records)
@@ -118,7 +118,7 @@ def test_bf16_checkpoint_runs_bf16_on_a_native_cpu(bf16_checkpoint, caplog):
 
 def test_bf16_checkpoint_falls_back_to_float32_without_native_bf16(bf16_checkpoint, monkeypatch, caplog):
     monkeypatch.setattr(cpu_plugin, "native_bf16", lambda: (False, "this CPU has neither AVX512_BF16 nor AMX"))
-    with caplog.at_level(logging.INFO, logger="polyrunner.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="polyrunner.engine.model_setup"):
         llm = LLM(str(bf16_checkpoint), **SMALL)
     assert llm.engine.dtype == F32
     msg = next(r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage())

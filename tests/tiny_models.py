@@ -23,6 +23,8 @@ def hf_config(kind: str):
         return tf.MistralConfig(**COMMON, sliding_window=48, tie_word_embeddings=False)
     if kind == "qwen2":
         return tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
+    if kind == "llama_mqa":   # one KV head: tensor parallelism replicates it
+        return tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True)
     if kind == "qwen3":
         return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
     raise ValueError(kind)

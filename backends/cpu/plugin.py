@@ -11,6 +11,7 @@ import torch
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.quant_linear import quantize_model
+from polyrunner.backends.cpu.threads import rank_cpus
 from polyrunner.plugin_api import NULL_BLOCK, Availability, Backend, Capabilities, hookimpl
 
 
@@ -58,7 +59,7 @@ class CPUBackend(Backend):
 
     name = "cpu"
     priority = 0
-    capabilities = Capabilities(graph_mode="eager")
+    capabilities = Capabilities(graph_mode="eager", distributed_backend="gloo")
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
 
     @classmethod
@@ -68,6 +69,13 @@ class CPUBackend(Backend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def init_rank(self, local_rank: int, local_size: int) -> None:
+        """A tensor-parallel rank runs on its own share of the physical cores (the
+        thread count follows the affinity: `threads.default_threads`)."""
+        share = rank_cpus(local_rank, local_size)
+        if share:
+            os.sched_setaffinity(0, share)
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
         """bfloat16 where the CPU has it (see `native_bf16`), and float32. float16

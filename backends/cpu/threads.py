@@ -29,19 +29,38 @@ def usable_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def physical_cpus(cpus: list[int] | None = None, sys_cpu: Path = SYS_CPU) -> list[int]:
-    """One CPU per physical core among `cpus` (default: the usable ones): the
-    lowest-numbered of each core's SMT siblings (`topology/thread_siblings_list`);
-    a CPU whose topology cannot be read counts as its own core."""
-    cpus = usable_cpus() if cpus is None else sorted(cpus)
+def cores_of(cpus: list[int], sys_cpu: Path = SYS_CPU) -> dict[int, int]:
+    """Each CPU's physical core, named by its lowest-numbered SMT sibling among
+    `cpus` (`topology/thread_siblings_list`); a CPU whose topology cannot be read
+    counts as its own core."""
     first: dict[str, int] = {}
-    for cpu in cpus:
+    core: dict[int, int] = {}
+    for cpu in sorted(cpus):
         try:
             key = (sys_cpu / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
         except OSError:
             key = f"cpu{cpu}"
-        first.setdefault(key, cpu)
-    return sorted(first.values())
+        core[cpu] = first.setdefault(key, cpu)
+    return core
+
+
+def physical_cpus(cpus: list[int] | None = None, sys_cpu: Path = SYS_CPU) -> list[int]:
+    """One CPU per physical core among `cpus` (default: the usable ones): the
+    lowest-numbered of each core's SMT siblings."""
+    return sorted(set(cores_of(usable_cpus() if cpus is None else cpus, sys_cpu).values()))
+
+
+def rank_cpus(local_rank: int, local_size: int) -> list[int]:
+    """The CPUs of tensor-parallel rank `local_rank` of `local_size` on this host: a
+    contiguous share of the physical cores with their SMT siblings ([] when there
+    are fewer cores than ranks: the ranks then share every CPU)."""
+    core = cores_of(usable_cpus())
+    cores = sorted(set(core.values()))
+    if len(cores) < local_size or local_size < 2:
+        return []
+    per = len(cores) // local_size
+    mine = set(cores[local_rank * per:(local_rank + 1) * per])
+    return sorted(cpu for cpu, c in core.items() if c in mine)
 
 
 def default_threads() -> int:

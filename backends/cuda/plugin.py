@@ -108,7 +108,7 @@ class CUDABackend(Backend):
     name = "cuda"
     priority = 100
     capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True)
+                                async_scheduling=True, distributed_backend="nccl")
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -131,6 +131,11 @@ class CUDABackend(Backend):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def init_rank(self, local_rank: int, local_size: int) -> None:
+        """Tensor-parallel rank `local_rank` runs on GPU `local_rank` of this host."""
+        torch.cuda.set_device(local_rank)
+        self._device = torch.device("cuda", local_rank)
 
     @property
     def default_dtype(self) -> torch.dtype:

@@ -124,7 +124,7 @@ class NPUBackend(Backend):
     name = "npu"
     priority = 90
     capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True)
+                                async_scheduling=True, distributed_backend="hccl")
     kv_alignment_bytes = ALIGNMENT
 
     def __init__(self) -> None:
@@ -150,6 +150,11 @@ class NPUBackend(Backend):
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def init_rank(self, local_rank: int, local_size: int) -> None:
+        """Tensor-parallel rank `local_rank` runs on NPU `local_rank` of this host."""
+        torch.npu.set_device(local_rank)
+        self._device = torch.device("npu", local_rank)
 
     @property
     def default_dtype(self) -> torch.dtype:

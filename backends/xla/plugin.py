@@ -57,7 +57,11 @@ def _device_kind() -> str:
 
 
 class XLABackend(Backend):
-    """torch_xla device: TPU in production, the CPU PJRT device in CI."""
+    """torch_xla device: TPU in production, the CPU PJRT device in CI.
+
+    Tensor parallelism is refused (`Capabilities.distributed_backend` None): on
+    XLA it would be SPMD sharding of one program (`torch_xla.distributed.spmd`),
+    not one process per device as the engine's ranks are."""
 
     name = "xla"
     priority = 20

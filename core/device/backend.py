@@ -81,6 +81,9 @@ class Capabilities:
       copy queues behind the device's work), so the engine may schedule and prepare
       step N+1 while step N runs, feeding N's sampled tokens to N+1 on the device.
       The engine's default when `async_scheduling` is not configured (vLLM's name).
+    distributed_backend: the torch.distributed backend its ranks talk over for
+      tensor parallelism ("gloo", "nccl", "hccl"); None refuses
+      tensor_parallel_size > 1.
     """
 
     graph_mode: str = "eager"
@@ -89,6 +92,7 @@ class Capabilities:
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     sampling: frozenset[str] = SAMPLING_FEATURES
     async_scheduling: bool = False
+    distributed_backend: str | None = None
 
 
 @dataclass
@@ -205,6 +209,11 @@ class Backend:
     def default_dtype(self) -> torch.dtype:
         """OPTIONAL; at start-up. The dtype for a model that names none."""
         return torch.float32
+
+    def init_rank(self, local_rank: int, local_size: int) -> None:
+        """OPTIONAL; first thing in each tensor-parallel rank (the engine's included),
+        before the model loads: take this rank's share of the host (`local_rank` of
+        `local_size` ranks here), e.g. its device (default: nothing)."""
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """OPTIONAL; at start-up. Raise ValueError naming the allowed dtypes when the

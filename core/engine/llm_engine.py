@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from typing import Any
 
 import numpy as np
-import torch
 
 from polyrunner.config import EngineConfig
 from polyrunner.engine.kv_manager import KVCacheManager, cdiv
-from polyrunner.models.source import resolve_model_folder
-from polyrunner.models.arch import DecoderArch
-from polyrunner.models.loader import checkpoint_dtype, load_model, read_hf_config
-from polyrunner.models.gguf.quantized import quantizer, select_quantization
-from polyrunner.models.registry import resolve_model_class
+from polyrunner.distributed.launch import start_tensor_parallel
+from polyrunner.distributed.workers import TPDriverRunner
+from polyrunner.engine.model_setup import load_runner
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import get_plugin_manager, select_backend
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.runner.async_output import AsyncModelRunnerOutput
-from polyrunner.runner.model_runner import ModelRunner, ModelRunnerOutput
+from polyrunner.runner.model_runner import ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
 from polyrunner.engine.tokenizer import Tokenizer
@@ -33,7 +31,6 @@ from polyrunner.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"   # vLLM's wording
 
 
@@ -48,25 +45,21 @@ class LLMEngine:
         self.backend = select_backend(config.runner.backend)
         get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
         self.async_scheduling = self._async_scheduling()
-        self.model_folder = resolve_model_folder(config.model.model)
-        hf_config = read_hf_config(self.model_folder)
-        self.arch = DecoderArch.from_hf_config(hf_config)
-        model_cls = resolve_model_class(self.arch.architecture)
-        self.max_model_len = self._max_model_len()
-        if config.model.dtype == "auto":
-            self.dtype, why = self.backend.resolve_dtype(checkpoint_dtype(hf_config))
-            logger.info("dtype auto -> %s: %s", str(self.dtype).removeprefix("torch."), why)
-        else:
-            self.dtype = _DTYPES[config.model.dtype]
-        self.backend.check_dtype(self.dtype)
-        self.quantization = select_quantization(config.model.quantization, config.model.dtype, hf_config,
-                                                self.backend)
+        self.tp_driver = start_tensor_parallel(config, self.backend)   # None: one device
+        tp = None if self.tp_driver is None else self.tp_driver.tp
+        try:
+            loaded = load_runner(config, self.backend, tp) if tp is None else \
+                self.tp_driver.guarded(lambda: load_runner(config, self.backend, tp))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model_folder, self.arch, self.max_model_len = loaded.folder, loaded.arch, loaded.max_model_len
+        self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
-        prepare = None if self.quantization is None else quantizer(self.backend, self.model_folder, hf_config)
-        model = load_model(self.model_folder, model_cls, self.arch, self.backend.attention,
-                           self.max_model_len, self.dtype, self.backend.device, prepare)
-        self.runner = ModelRunner(config, self.backend, model, self.arch, self.max_model_len, self.dtype)
-        num_blocks = self.runner.initialize_kv_cache()
+        self.runner = loaded.runner if tp is None else TPDriverRunner(loaded.runner, self.tp_driver)
+        num_blocks = loaded.num_blocks
+        if self.tp_driver is not None:   # the workers stop with the engine (or at exit)
+            weakref.finalize(self, self.tp_driver.shutdown)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -81,18 +74,21 @@ class LLMEngine:
         backend without the capability is a ValueError."""
         wanted = self.config.scheduler.async_scheduling
         able = self.backend.capabilities.async_scheduling
+        if self.config.parallel.tensor_parallel_size > 1:   # workers run each step as it is sent
+            if wanted:
+                raise ValueError("async_scheduling=True does not support tensor_parallel_size > 1; "
+                                 "allowed with tensor parallelism: False or None")
+            return False
         if wanted and not able:
             raise ValueError(f"async_scheduling=True is not supported by backend {self.backend.name!r} "
                              "(its Capabilities.async_scheduling is False: the device->host copy of "
                              "sampled tokens blocks); allowed: False or None")
         return able if wanted is None else wanted
 
-    def _max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
-        wanted = self.config.model.max_model_len
-        if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings ({limit})")
-        return wanted or limit
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device). Idempotent."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)

@@ -3,8 +3,10 @@
 One implementation over the paged-attention interface: the attention op is
 the backend's, called with the step's `AttentionMetadata` and the layer's KV
 cache. Projections are fused (qkv, gate_up) column-parallel layers followed by
-row-parallel ones (o_proj, down_proj), so tensor parallelism can later shard
-them without rewriting the model.
+row-parallel ones (o_proj, down_proj). With tensor parallelism (`tp`) each rank
+builds and loads only its shard (`distributed.shard.TPShard`) and sums the
+row-parallel outputs and the vocabulary-parallel embedding with an all-reduce
+in `DecoderLayer` / the model (not inside a module a backend may replace).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
+from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.rotary import RotaryEmbedding
 
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         AttentionMetadata, LayerSpec], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], torch.Tensor]   # sums a tensor over the tensor-parallel ranks
 
 
 class RMSNorm(nn.Module):
@@ -46,9 +50,10 @@ class RMSNorm(nn.Module):
 
 class DecoderAttention(nn.Module):
     def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TPShard | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        shard = shard or TPShard.single(arch)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
@@ -75,11 +80,11 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, arch: DecoderArch) -> None:
+    def __init__(self, arch: DecoderArch, shard: TPShard | None = None) -> None:
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.intermediate = (shard or TPShard.single(arch)).intermediate
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -88,12 +93,14 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, shard: TPShard | None = None, all_reduce: AllReduce | None = None
+                 ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = DecoderAttention(arch, layer_idx, attn_op, rotary)
+        self.self_attn = DecoderAttention(arch, layer_idx, attn_op, rotary, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = DecoderMLP(arch)
+        self.mlp = DecoderMLP(arch, shard)
+        self.all_reduce = all_reduce
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, residual: torch.Tensor | None = None
@@ -106,34 +113,56 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
         h = self.self_attn(positions, h, meta, kv_cache)
+        if self.all_reduce is not None:
+            h = self.all_reduce(h)
         h, residual = self.post_attention_layernorm.forward_add(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h if self.all_reduce is None else self.all_reduce(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids + positions + attention metadata + KV caches -> hidden states."""
+    """Token ids + positions + attention metadata + KV caches -> hidden states.
 
-    def __init__(self, arch: DecoderArch, attn_op: AttentionOp, max_positions: int) -> None:
+    `shard` / `all_reduce`: this rank's part of a tensor-parallel model and the sum
+    over ranks (None: the whole model). `compute_logits` then gives this rank's
+    vocabulary range; the runner's caller gathers the ranges."""
+
+    def __init__(self, arch: DecoderArch, attn_op: AttentionOp, max_positions: int,
+                 shard: TPShard | None = None, all_reduce: AllReduce | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.shard = shard = shard or TPShard.single(arch)
+        self.all_reduce = all_reduce
+        vocab = shard.vocab_per_rank
         # `_weight` skips the random init (which, on the meta device, would import torch._dynamo)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size, _weight=torch.empty(vocab, arch.hidden_size))
         rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_op, rotary) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, attn_op, rotary, shard, all_reduce)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; vocabulary-parallel: each rank looks up its own range
+        (zeros elsewhere) and the all-reduce sums them."""
+        if self.all_reduce is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
+        return self.all_reduce(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, meta, kv_cache, residual)
         return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits `[N, vocab]` for the given hidden rows."""
+        """float32 logits `[N, vocab]` for the given hidden rows (tensor-parallel:
+        `[N, shard.vocab_per_rank]`, this rank's range)."""
         return F.linear(hidden, self.lm_head_weight()).float()
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -171,14 +200,14 @@ class LlamaForCausalLM(nn.Module):
         part: (fused, i) for fused, parts in packed_modules_mapping.items() for i, part in enumerate(parts)}
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        a = self.arch
+        s = self.shard
         if fused == "qkv_proj":
-            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        return [a.intermediate_size, a.intermediate_size]
+            return [s.q_size, s.kv_size, s.kv_size]
+        return [s.intermediate, s.intermediate]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; every
-        parameter must be covered exactly once."""
+        """Copy Hugging Face-named tensors (this rank's slice of each) into the
+        (fused) parameters; every parameter must be covered exactly once."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -192,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if name not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {self.arch.architecture}")
+            tensor = self.shard.slice(".".join(hf_name.split(".")[-2:]), tensor)
             param = params[name]
             if shard is None:
                 _copy(param.data, tensor, hf_name)

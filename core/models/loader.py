@@ -61,12 +61,12 @@ def iter_weights(folder: str | Path, dtype: torch.dtype,
 
 def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
                max_positions: int, dtype: torch.dtype, device: torch.device,
-               prepare: Callable[[torch.nn.Module], Iterable[str]] | None = None) -> torch.nn.Module:
+               prepare: Callable[[torch.nn.Module], Iterable[str]] | None = None, **parallel: Any) -> torch.nn.Module:
     """Build `model_cls` on `device` in `dtype` and load the folder's weights.
     `prepare(model)`, called before any weight is read, may replace modules and
     returns the checkpoint names it made unneeded (they are not read)."""
     with torch.device("meta"):  # no random init: every parameter is loaded below
-        model = model_cls(arch, attn_op, max_positions)
+        model = model_cls(arch, attn_op, max_positions, **parallel)   # tensor-parallel: shard, all_reduce
     for param in model.parameters():  # on meta: free; buffers (rotary tables) stay float32, like Hugging Face
         param.data = param.data.to(dtype)
     model.to_empty(device=device)  # uninitialised memory: untouched until loaded

@@ -13,6 +13,7 @@ this one runs, reads this one's tokens on the device (asynchronous scheduling).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -58,8 +59,9 @@ class ModelRunner:
         self._decode_ready = False   # the last step is an unpadded all-decode step
 
     # ---- start-up ---------------------------------------------------------
-    def initialize_kv_cache(self) -> int:
-        """Size the KV cache from the backend's budget, allocate it, prepare graphs."""
+    def initialize_kv_cache(self, agree: Callable[[int], int] | None = None) -> int:
+        """Size the KV cache from the backend's budget, allocate it, prepare graphs.
+        `agree(num_blocks)`: the number every tensor-parallel rank can hold (their minimum)."""
         cache_cfg = self.config.cache
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         sched = self.config.scheduler
@@ -80,6 +82,8 @@ class ModelRunner:
             raise ValueError(
                 f"KV cache budget holds {num_blocks} blocks of {self.kv_spec.page_size_bytes * self.kv_spec.num_layers} "
                 "bytes; at least 2 are needed: raise kv_cache_memory_bytes")
+        if agree is not None:
+            num_blocks = agree(num_blocks)
         self.num_blocks = num_blocks
         self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec, num_blocks)
         self.executor.prepare(self._run_dummy, self.buckets)

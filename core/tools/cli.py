@@ -17,6 +17,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many devices (processes; several hosts: torchrun)")
 
 
 def _make_llm(args: argparse.Namespace):
@@ -24,7 +26,7 @@ def _make_llm(args: argparse.Namespace):
     return LLM(model=args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               seed=args.seed)
+               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _sampling(args: argparse.Namespace):

@@ -57,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-                         seed=args.seed, engine_process=args.engine_process)
+                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                         engine_process=args.engine_process)
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
