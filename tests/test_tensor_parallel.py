@@ -156,3 +156,26 @@ def _is_resource_tracker(pid: int) -> bool:
         return b"resource_tracker" in open(f"/proc/{pid}/cmdline", "rb").read()
     except OSError:
         return False
+
+
+def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_factory, reference):
+    """`polyrunner serve --tensor-parallel-size 2`: the engine process starts its own worker."""
+    import asyncio
+    from polyrunner.engine.async_llm import AsyncLLM
+    folder = tiny_model_factory("mistral")[0]
+    before = _children()
+    a = AsyncLLM(str(folder), backend="cpu", dtype="float32", tensor_parallel_size=2, max_num_seqs=8,
+                 engine_process=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def main():
+        with a.batch():
+            streams = [a.add_request({"prompt_token_ids": p}, sp) for p in PROMPTS]
+        return [[o async for o in s][-1] for s in streams]
+
+    try:
+        finals = asyncio.run(main())
+    finally:
+        a.shutdown(0)
+    assert [f.outputs[0].token_ids for f in finals] == [o.outputs[0].token_ids for o in reference("mistral")]
+    assert _children() <= before

@@ -19,12 +19,14 @@ close and reports the engine dead.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import queue
 import signal
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -53,10 +55,13 @@ class EngineProcess:
     def __init__(self, llm_kwargs: dict[str, Any], on_report: ReportFn, on_dead: DeadFn) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_child_main, name="polyrunner-engine", daemon=True,
+        # not a daemon: a daemon may not start processes, and tensor-parallel workers are
+        # the engine's children. At exit `_stop_at_exit` stops it (or it sees the pipe close).
+        self.process = ctx.Process(target=_child_main, name="polyrunner-engine",
                                    args=(child_conn, llm_kwargs, logging.getLogger().getEffectiveLevel()))
         self.process.start()
         child_conn.close()
+        atexit.register(_stop_at_exit, weakref.ref(self))
         self._outq: queue.SimpleQueue = queue.SimpleQueue()
         self._stopping = False
         self._on_report, self._on_dead = on_report, on_dead
@@ -65,7 +70,11 @@ class EngineProcess:
         except (EOFError, OSError):
             kind, payload = "failed", None
         if kind != "ready":
+            self._stopping = True
             self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()
             raise EngineProcessError(f"the engine process failed to start (exit code {self.process.exitcode})"
                                      + (f": {payload}" if payload else ""))
         self.info: CoreInfo = payload[0]
@@ -104,6 +113,8 @@ class EngineProcess:
 
     def stop(self) -> None:
         """Abort what is left, let the process exit, and reap it (killed if it hangs)."""
+        if self._stopping:
+            return
         self._stopping = True
         self.submit([("stop",)])
         self._outq.put(None)
@@ -137,6 +148,12 @@ class EngineProcess:
                                              f"(exit code {self.process.exitcode})"))
         except BaseException as exc:   # noqa: BLE001 - a frontend bug must not leave requests hanging
             self._on_dead(exc)
+
+
+def _stop_at_exit(ref: weakref.ref) -> None:
+    core = ref()
+    if core is not None and core.process.is_alive():
+        core.stop()
 
 
 def _decoded(events: list[Event], decoder: DeltaDecoder) -> list[Event]:
@@ -199,12 +216,15 @@ def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) ->
         return   # the frontend is gone
     except BaseException as exc:   # noqa: BLE001
         logger.error("the engine loop died\n%s", traceback.format_exc())
-        try:
-            conn.send(("dead", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
+        _send_quietly(conn, ("dead", f"{type(exc).__name__}: {exc}"))
         return
+    finally:
+        engine.shutdown()
+    _send_quietly(conn, ("stopped",))
+
+
+def _send_quietly(conn: Connection, msg: tuple) -> None:
     try:
-        conn.send(("stopped",))
+        conn.send(msg)
     except OSError:
         pass

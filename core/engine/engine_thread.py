@@ -45,7 +45,8 @@ class EngineThread:
         self._inbox.put(commands)
 
     def stop(self) -> None:
-        """Abort what is left, end the loop and wait for the thread."""
+        """Abort what is left, end the loop, wait for the thread, shut the engine down."""
         if self._thread.is_alive():
             self._inbox.put([("stop",)])
             self._thread.join()
+        self.engine.shutdown()
