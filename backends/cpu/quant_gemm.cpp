@@ -25,7 +25,7 @@
 // No AMX-INT8 path: not written (no AMX on the machines it is tested on).
 // Threads: output rows are split into chunks run by the decode kernels' work-sharing pool
 // (`thread_pool.cpp`: a helper whose core another process holds cannot stall the call; inline
-// when the pool is not started); load-time repacking and dequantising use OpenMP.
+// when the pool is not started); dequantising for prefill uses OpenMP, load-time repacking one thread.
 
 #include <algorithm>
 #include <cmath>
@@ -654,8 +654,7 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
   const int64_t nb = K / 32, row_bytes = K / block_size(qt) * block_bytes(qt), bb = r8_block_bytes(qt);
   const bool f32 = r8_f32_scales(qt);
   const int ss = f32 ? 4 : 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t g = 0; g < N / 8; ++g)
+  for (int64_t g = 0; g < N / 8; ++g)  // one thread: ~1 ms per million weights, and no barrier to stall on
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* p = out + (g * nb + b) * bb;
       for (int r = 0; r < 8; ++r) {
