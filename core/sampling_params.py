@@ -22,6 +22,8 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from polyrunner.structured.params import StructuredOutputsParams
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -122,6 +124,9 @@ class SamplingParams(BaseModel):
     # `fn(prompt_token_ids, output_token_ids, logits_row)` -> the new logits_row (a [V]
     # float tensor on the backend's device), applied before every other processor.
     logits_processors: list[Callable[..., Any]] | None = None
+    # the output must match a JSON schema, regex, choice or grammar (vLLM's name); a dict is
+    # read as StructuredOutputsParams(**dict). Compiled when the engine admits the request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(self, /, **data: Any) -> None:
         try:
@@ -358,6 +363,8 @@ class SamplingParams(BaseModel):
             f.add("logits_processors")
         if self.prompt_logprobs is not None:
             f.add("prompt_logprobs")
+        if self.structured_outputs is not None:
+            f.add("structured_outputs")
         return f
 
     def bad_words_token_ids(self, tokenizer: Tokenizer) -> list[list[int]]:

@@ -171,7 +171,10 @@ def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_fa
     async def main():
         with a.batch():
             streams = [a.add_request({"prompt_token_ids": p}, sp) for p in PROMPTS]
-        return [[o async for o in s][-1] for s in streams]
+        finals = []
+        for s in streams:
+            finals.append([o async for o in s][-1])
+        return finals
 
     try:
         finals = asyncio.run(main())

@@ -11,7 +11,7 @@ import torch
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.quant_linear import quantize_model
-from polyrunner.backends.cpu.threads import rank_cpus
+from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
 from polyrunner.plugin_api import NULL_BLOCK, Availability, Backend, Capabilities, hookimpl
 
 
@@ -69,6 +69,11 @@ class CPUBackend(Backend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @classmethod
+    def device_count(cls) -> int:
+        """One "device" per physical core (a rank takes a share of them)."""
+        return len(physical_cpus())
 
     def init_rank(self, local_rank: int, local_size: int) -> None:
         """A tensor-parallel rank runs on its own share of the physical cores (the

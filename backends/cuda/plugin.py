@@ -132,6 +132,10 @@ class CUDABackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
+    @classmethod
+    def device_count(cls) -> int:
+        return torch.cuda.device_count() if cuda_unavailable_reason() is None else 0
+
     def init_rank(self, local_rank: int, local_size: int) -> None:
         """Tensor-parallel rank `local_rank` runs on GPU `local_rank` of this host."""
         torch.cuda.set_device(local_rank)

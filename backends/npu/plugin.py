@@ -151,6 +151,10 @@ class NPUBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
+    @classmethod
+    def device_count(cls) -> int:
+        return torch.npu.device_count() if import_torch_npu()[0] is not None else 0
+
     def init_rank(self, local_rank: int, local_size: int) -> None:
         """Tensor-parallel rank `local_rank` runs on NPU `local_rank` of this host."""
         torch.npu.set_device(local_rank)

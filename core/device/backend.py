@@ -50,6 +50,7 @@ SAMPLING_FEATURES = frozenset({
     "temperature", "top_k", "top_p", "min_p", "penalties", "logit_bias",
     "allowed_token_ids", "bad_words", "seed", "logprobs", "prompt_logprobs",
     "raw_logits", "processed_logprobs", "processed_logits", "logits_processors",
+    "structured_outputs",
 })
 
 
@@ -198,6 +199,12 @@ class Backend:
         here? Never raises; imports the device library only here, and a missing
         library or device is `Availability(False, reason)`."""
         return Availability(False, "abstract base backend")
+
+    @classmethod
+    def device_count(cls) -> int:
+        """OPTIONAL. How many devices of this kind this host has (the most
+        tensor-parallel ranks it can place, one per device); default 1."""
+        return 1
 
     @property
     def device(self) -> torch.device:

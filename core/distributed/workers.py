@@ -87,14 +87,17 @@ class WorkerHandles:
 
 
 def start_workers(size: int, init_method: str, config: dict[str, Any], timeout_s: float = 300.0) -> WorkerHandles:
-    """Spawn ranks 1..size-1 on this host; returns once each has imported and
-    validated its configuration (a worker that cannot start fails fast here)."""
+    """Spawn ranks 1..size-1 on this host (with the plugins registered in this
+    process's code); returns once each has imported and validated its
+    configuration (a worker that cannot start fails fast here)."""
+    from polyrunner.plugins.manager import runtime_plugins
+    plugins = runtime_plugins()
     ctx = multiprocessing.get_context("spawn")
     handles = WorkerHandles()
     for rank in range(1, size):
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=worker_main, name=f"polyrunner-tp{rank}", daemon=True,
-                           args=(rank, size, rank, init_method, config, child))
+                           args=(rank, size, rank, init_method, config, child, plugins))
         proc.start()
         child.close()
         handles.processes[rank], handles.errors[rank] = proc, parent
@@ -105,9 +108,10 @@ def start_workers(size: int, init_method: str, config: dict[str, Any], timeout_s
                 handles.join()
                 why = handles.failure(0) or f"rank {rank} did not start within {timeout_s:.0f} s"
                 raise TensorParallelError(f"tensor-parallel worker failed to start: {why}")
-        if conn.recv() != "started":
+        message = conn.recv()
+        if message != "started":   # the worker's error
             handles.join()
-            raise TensorParallelError(f"tensor-parallel worker rank {rank} sent an unexpected start message")
+            raise TensorParallelError(f"tensor-parallel worker failed to start: rank {rank}: {message}")
     return handles
 
 
@@ -186,11 +190,13 @@ def serve_steps(tp: TensorParallel, runner) -> None:
 
 
 def worker_main(rank: int, size: int, local_rank: int, init_method: str, config: dict[str, Any],
-                errors: Connection | None) -> None:
+                errors: Connection | None, plugins: dict[str, Any] | None = None) -> None:
     """A spawned worker process (also the body of a torchrun rank > 0)."""
     from polyrunner.engine.model_setup import build_tp_rank   # heavy imports in the worker only
+    from polyrunner.plugins.manager import register_runtime_plugins
 
     try:
+        register_runtime_plugins(plugins or {})
         built = build_tp_rank(config, rank, size, local_rank, init_method,
                               started=(lambda: errors.send("started")) if errors is not None else None)
     except BaseException as exc:   # noqa: BLE001

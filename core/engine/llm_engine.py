@@ -66,6 +66,7 @@ class LLMEngine:
         self._eos = self._eos_ids()
         self._ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None   # asynchronous only
+        self._grammars = None   # GrammarCompiler, with the first structured-output request
         logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
                     self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
 
@@ -189,11 +190,23 @@ class LLMEngine:
         if missing:
             raise ValueError(f"backend {self.backend.name!r} does not support sampling features "
                              f"{sorted(missing)} on its device")
+        if params.structured_outputs is not None:
+            self._compile_structured(params)
         total = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
         need = cdiv(total, self.config.cache.block_size)
         if need > self.kv.pool.num_usable_blocks:
             raise ValueError(f"request needs {need} KV blocks but the cache holds only "
                              f"{self.kv.pool.num_usable_blocks}; raise kv_cache_memory_bytes")
+
+    def _compile_structured(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (cached by the compiler) before it is scheduled;
+        ValueError naming the field (`structured_outputs.json`, ...) if it is invalid."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
+        if self._grammars is None:
+            from polyrunner.structured.compiler import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self._eos)
+        params.structured_outputs.compiled = self._grammars.compile(params.structured_outputs)
 
     def _validate_logprobs(self, params: SamplingParams) -> None:
         """vLLM's `max_logprobs` check and wording (-1 asks for the whole vocabulary, allowed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import types
 from dataclasses import dataclass
 
 import pluggy
@@ -17,6 +18,9 @@ logger = logging.getLogger(__name__)
 _manager: pluggy.PluginManager | None = None
 # Entry points whose import failed: name -> reason (listed as unavailable).
 _broken: dict[str, str] = {}
+# Plugins registered in user code: name -> module name (a module) or the object itself,
+# so another process (a tensor-parallel worker) can register the same ones.
+_runtime: dict[str, str | object] = {}
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -40,11 +44,24 @@ def register(plugin: object, name: str | None = None) -> None:
     pm = get_plugin_manager()
     if name is not None and pm.get_plugin(name) is not None:
         pm.unregister(name=name)
-    pm.register(plugin, name=name)
+    registered = pm.register(plugin, name=name)
+    _runtime[registered] = plugin.__name__ if isinstance(plugin, types.ModuleType) else plugin
 
 
 def unregister(name: str) -> None:
     get_plugin_manager().unregister(name=name)
+    _runtime.pop(name, None)
+
+
+def runtime_plugins() -> dict[str, str | object]:
+    """The plugins `register` added (module names, or objects), to pass to another process."""
+    return dict(_runtime)
+
+
+def register_runtime_plugins(plugins: dict[str, str | object]) -> None:
+    """Register another process's `runtime_plugins()` here (modules are imported)."""
+    for name, plugin in plugins.items():
+        register(importlib.import_module(plugin) if isinstance(plugin, str) else plugin, name)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,10 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None = None         # [M] int64 } stop/EOS ids masked
     min_tokens_ids: torch.Tensor | None = None          # [M] int64 } until min_tokens reached
 
+    # ---- structured outputs (rows whose request has a grammar) -----------------
+    grammar_bitmask: torch.Tensor | None = None         # [G, ceil(V/32)] int32, bit set = allowed
+    grammar_rows: torch.Tensor | None = None            # [G] int64 batch rows (None: row i is row i)
+
     # ---- penalties (only rows that have one) --------------------------------
     penalty_rows: torch.Tensor | None = None            # [Rp] int64
     presence_penalties: torch.Tensor | None = None      # [Rp] f32

@@ -1,6 +1,8 @@
 """The device-neutral sampler: logits [R, V] -> one token per row (+ logprobs).
 
 Order (vLLM V1):
+  0. the structured-output token bitmask (refused tokens -inf), before
+     everything, as vLLM applies it to the logits ahead of its sampler;
   1. raw logprobs (or logits) from the unprocessed logits, if any row wants
      logprobs and the engine's `logprobs_mode` is "raw_*";
   2. logits processors: the request's own Python callables (vLLM V0's
@@ -22,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from polyrunner.sample.grammar import apply_token_bitmask
 from polyrunner.sample.logprobs import LogprobsTensors, compute_logprobs, gather_logprobs
 from polyrunner.sample.metadata import SamplingMetadata
 from polyrunner.sample.ops import (
@@ -132,6 +135,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            logits = apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sample(apply_logits_processors(logits, meta), meta, argmax=self.argmax), None)
         mode = meta.logprobs_mode

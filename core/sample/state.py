@@ -14,7 +14,12 @@ i is slot `idx_mapping[i]`) and uploads only what that step needs:
   from the current output lengths / tails;
 - allowed_token_ids lives in a lazily allocated device mask [max_reqs, V];
 - per-request logits processors (Python callables) get each step their row's
-  prompt and output token ids from the runner's token array.
+  prompt and output token ids from the runner's token array;
+- structured outputs: a `StructuredOutputManager` (created with the first
+  such request) keeps each row's grammar matcher; each step it catches up
+  with the row's output tokens and fills the packed bitmask of the rows that
+  have a grammar, uploaded for the sampler. A token the grammar refuses fails
+  that request (`failed_rows`).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class SamplingState:
         self._version = 0
         self._static_key: tuple[int, int] | None = None
         self._static: _Static | None = None
+        self.structured = None   # StructuredOutputManager, with the first structured request
 
     # ---- row management (called by the runner's RequestStates) ------------
     def add_row(self, row: int, params: SamplingParams, generator: torch.Generator | None,
@@ -156,6 +162,11 @@ class SamplingState:
             ids = torch.as_tensor(params.allowed_token_ids, dtype=torch.long).to(self.device)
             mask[row, ids] = False
             self.has_allowed[row] = True
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                from polyrunner.structured.manager import StructuredOutputManager
+                self.structured = StructuredOutputManager(self.max_num_reqs, vocab)
+            self.structured.add(row, params.structured_outputs)
         self.params[row] = params
         if generator is None and params.seed is not None and not greedy:
             generator = torch.Generator(device=self.device)
@@ -177,6 +188,8 @@ class SamplingState:
         for name in _OBJECTS:
             getattr(self, name)[row] = None
         self.generators.pop(row, None)
+        if self.structured is not None:
+            self.structured.remove(row)
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_reqs:
@@ -244,7 +257,26 @@ class SamplingState:
         if static.bad_word_rows:
             self._bad_word_pairs(meta, static.bad_word_rows, slots, token_ids, num_prompt_tokens,
                                  num_tokens)
+        if self.structured is not None and self.structured.matchers:
+            self._grammar_bitmask(meta, slots, token_ids, num_prompt_tokens, num_tokens)
         return meta
+
+    def _grammar_bitmask(self, meta: SamplingMetadata, slots: np.ndarray, token_ids: np.ndarray,
+                         num_prompt_tokens: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Advance the step's grammars to their rows' outputs, then the bitmask of the
+        rows that have one (all rows: no `grammar_rows`)."""
+        errors = self.structured.sync(slots, token_ids, num_prompt_tokens, num_tokens)
+        if errors:
+            for row in np.flatnonzero(np.isin(slots, list(errors))).tolist():
+                meta.failed_rows[row] = errors[int(slots[row])]
+        bitmask, rows = self.structured.fill_bitmask(slots)
+        if not rows.size:
+            return
+        if rows.size == len(slots):
+            meta.grammar_bitmask = self._upload(bitmask)
+        else:
+            meta.grammar_bitmask = self._upload(bitmask[torch.from_numpy(rows)])
+            meta.grammar_rows = self._upload(rows)
 
     def _host_rows(self, slots: np.ndarray, num_prompt_tokens: np.ndarray,
                    num_tokens: np.ndarray) -> HostSamplingRows:

@@ -143,7 +143,8 @@ class ConformanceContext:
         """An EngineConfig for the tiny model. `overrides`: flat names of the
         sub-config fields (max_num_seqs, block_size, kv_cache_memory_bytes, ...).
         `adjust`: a backend instance whose plugins' `polyrunner_adjust_config` is applied."""
-        from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
+        from polyrunner.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig,
+                                       SchedulerConfig)
         s = self.settings
         o = dict(overrides)
         cfg = EngineConfig(
@@ -157,11 +158,16 @@ class ConformanceContext:
                                       max_num_batched_tokens=o.pop("max_num_batched_tokens",
                                                                    s.max_num_batched_tokens),
                                       async_scheduling=o.pop("async_scheduling", None)),
+            parallel=ParallelConfig(tensor_parallel_size=o.pop("tensor_parallel_size", 1)),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
         if adjust is not None:
             from polyrunner.plugins import get_plugin_manager
             get_plugin_manager().hook.polyrunner_adjust_config(config=cfg, backend=adjust)
         return cfg
+
+    def device_count(self) -> int:
+        """Devices of the backend's kind on this host (`Backend.device_count`)."""
+        return self.backend_cls.device_count()
 
     def engine_config(self, key: str):
         s = self.settings

@@ -10,6 +10,7 @@ the report can say which capability excused it. Requirements:
     "counts_graphs", "static_shapes"                   a truthy capability flag
     "sampling:<feature>"                               feature in capabilities.sampling
     "dtype:<name>"                                     torch.<name> in capabilities.dtypes
+    "devices:<n>"                                      Backend.device_count() >= n on this host
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from polyrunner.device.backend import Capabilities
     from polyrunner.tools.conformance.context import ConformanceContext
 
-GROUPS = ("registration", "buckets", "kv_cache", "execution", "end_to_end", "hygiene")
+GROUPS = ("registration", "buckets", "kv_cache", "execution", "end_to_end", "distributed", "hygiene")
 GROUP_MODULES = {g: f"polyrunner.tools.conformance.{g}" for g in GROUPS}
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
@@ -99,12 +100,18 @@ def select_checks(groups: Iterable[str] | None = None, patterns: Iterable[str] |
     return out
 
 
-def unmet_requirements(caps: "Capabilities", requires: Iterable[str]) -> list[str]:
-    """Human-readable reasons, one per requirement the declared capabilities do not meet."""
+def unmet_requirements(caps: "Capabilities", requires: Iterable[str],
+                       device_count: Callable[[], int] | None = None) -> list[str]:
+    """Human-readable reasons, one per requirement the declared capabilities (and
+    the host's device count) do not meet."""
     import torch
     unmet = []
     for req in requires:
-        if req.startswith("sampling:"):
+        if req.startswith("devices:"):
+            need, have = int(req.split(":", 1)[1]), device_count() if device_count is not None else 1
+            if have < need:
+                unmet.append(f"{have} device(s) here, {need} needed")
+        elif req.startswith("sampling:"):
             feature = req.split(":", 1)[1]
             if feature not in caps.sampling:
                 unmet.append(f"capabilities.sampling lacks {feature!r}")
@@ -178,7 +185,8 @@ def run_check(c: Check, ctx: "ConformanceContext") -> CheckResult:
             return CheckResult(c.group, c.name, ERROR, blocker, 0.0)
     if c.requires:
         caps = ctx.capabilities
-        unmet = unmet_requirements(caps, c.requires) if caps is not None else ["no capabilities"]
+        unmet = (unmet_requirements(caps, c.requires, ctx.device_count) if caps is not None
+                 else ["no capabilities"])
         if unmet:
             return CheckResult(c.group, c.name, SKIPPED, "not applicable", 0.0, "; ".join(unmet))
     try:

@@ -61,8 +61,14 @@ class CPUPagedBackend(Backend):
 
     name = "cpu_paged"
     priority = -10          # below the built-in `cpu`: chosen only by name
-    capabilities = Capabilities(graph_mode="eager", static_shapes=True, counts_graphs=True)
+    # gloo: tensor-parallel ranks of this backend talk over torch.distributed's CPU communicator
+    capabilities = Capabilities(graph_mode="eager", static_shapes=True, counts_graphs=True,
+                                distributed_backend="gloo")
     kv_alignment_bytes = kv_layout.ALIGNMENT
+
+    @classmethod
+    def device_count(cls) -> int:   # ranks share the host's CPUs
+        return len(os.sched_getaffinity(0))
 
     @classmethod
     def probe(cls) -> Availability:

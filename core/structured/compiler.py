@@ -1,0 +1,92 @@
+"""Compile structured-output constraints with xgrammar, once per constraint.
+
+`GrammarCompiler(tokenizer, vocab_size, stop_token_ids)` builds xgrammar's
+`TokenizerInfo` from the model's Hugging Face tokenizer (our `Tokenizer`'s
+`tokenizers` backend wrapped in transformers' `PreTrainedTokenizerFast`), with
+the model's logits width as the vocabulary size (the mask covers every logit;
+ids past the tokenizer's vocabulary are never allowed) and the engine's EOS ids
+as the stop tokens (EOS is allowed exactly where the grammar may end).
+
+`compile(params)` returns the `CompiledGrammar`, cached by `params.key()`
+(an LRU of `cache_size` entries), and raises ValueError naming the field
+(`structured_outputs.json`, `.regex`, `.grammar`, `.choice`) when xgrammar
+refuses the constraint. The engine calls it when it admits a request, off the
+step path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from polyrunner.structured.params import StructuredOutputsParams
+
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(exc: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one model's tokenizer, with a cache by constraint."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
+                 cache_size: int = 256, max_threads: int = 2) -> None:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        backend = getattr(tokenizer, "backend", tokenizer)   # our Tokenizer or a tokenizers.Tokenizer
+        hf = tokenizer if isinstance(tokenizer, PreTrainedTokenizerFast) else \
+            PreTrainedTokenizerFast(tokenizer_object=backend)
+        stops = sorted(set(int(t) for t in stop_token_ids))
+        if not stops:
+            raise ValueError("structured outputs need the model's EOS token ids (none are known)")
+        self.vocab_size = vocab_size
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.cache_size = cache_size
+        self.num_compiled = 0   # cache misses
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The `CompiledGrammar` of `params` (cached); ValueError naming the field if invalid."""
+        key = params.key()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        compiled = self._compile(params)
+        self.num_compiled += 1
+        self._cache[key] = compiled
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        kind = params.kind
+        c = self._compiler
+        try:
+            if kind == "json":
+                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+                return c.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+            if kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if kind == "regex":
+                return c.compile_regex(params.regex)
+            if kind == "choice":
+                return c.compile_grammar(choice_grammar(params.choice))
+            return c.compile_grammar(params.grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
+                    "choice": "choice list"}.get(kind, kind)
+            raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean(exc)}") from None
