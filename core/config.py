@@ -79,12 +79,33 @@ class RunnerConfig(_Strict):
     request_buckets: list[int] | None = None
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (vLLM's `speculative_config` names). "ngram": prompt lookup,
+    drafts copied from the request's own tokens after the last occurrence of its
+    trailing n-gram (n from prompt_lookup_max down to prompt_lookup_min)."""
+
+    method: Literal["ngram"] = Field(default="ngram", description="how drafts are proposed; \"ngram\" "
+                                     "(prompt lookup); a draft model (EAGLE, a small LM) plugs in as a "
+                                     "`polyrunner.spec_decode.Proposer`")
+    num_speculative_tokens: int = Field(ge=1, le=32, description="draft tokens proposed per request per step")
+    prompt_lookup_min: int = Field(default=2, ge=1, le=64, description="shortest n-gram looked up")
+    prompt_lookup_max: int = Field(default=4, ge=1, le=64, description="longest n-gram looked up")
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class EngineConfig(_Strict):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     runner: RunnerConfig = RunnerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig | None = None
 
     @model_validator(mode="after")
     def _check_budget(self) -> "EngineConfig":

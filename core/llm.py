@@ -8,7 +8,8 @@ from typing import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from polyrunner.beam_search import BeamSearchOutput, beam_search
-from polyrunner.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+from polyrunner.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig,
+                               SpeculativeConfig)
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import BeamSearchParams, SamplingParams
@@ -32,7 +33,10 @@ class LLM:
     schedules and prepares the next step while the device runs this one (None: when
     the backend's `Capabilities.async_scheduling` allows it); `tensor_parallel_size`
     shards the model over that many devices, one process each (see
-    `polyrunner.distributed.launch`; `shutdown()` stops them, as does exit).
+    `polyrunner.distributed.launch`; `shutdown()` stops them, as does exit);
+    `speculative_config` turns on speculative decoding, vLLM's dict form, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4} (see `polyrunner.config.SpeculativeConfig`).
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
@@ -45,7 +49,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
-                 tensor_parallel_size: int = 1, **runner_options) -> None:
+                 tensor_parallel_size: int = 1, speculative_config: dict | SpeculativeConfig | None = None,
+                 **runner_options) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
                               tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
@@ -58,7 +63,8 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       policy=scheduling_policy, async_scheduling=async_scheduling),
             runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            speculative=speculative_config)
         self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:

@@ -44,6 +44,7 @@ class LLMEngine:
         self.config = config
         self.backend = select_backend(config.runner.backend)
         get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
+        self._check_speculative()
         self.async_scheduling = self._async_scheduling()
         self.tp_driver = start_tensor_parallel(config, self.backend)   # None: one device
         tp = None if self.tp_driver is None else self.tp_driver.tp
@@ -61,7 +62,9 @@ class LLMEngine:
         if self.tp_driver is not None:   # the workers stop with the engine (or at exit)
             weakref.finalize(self, self.tp_driver.shutdown)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   spec.num_speculative_tokens if spec is not None else 0)
         self.outputs = OutputProcessor(self.tokenizer)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
@@ -69,6 +72,28 @@ class LLMEngine:
         self._grammars = None   # GrammarCompiler, with the first structured-output request
         logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
                     self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
+
+    def _check_speculative(self) -> None:
+        """Speculative decoding runs on one device, with synchronous steps, on a backend
+        whose steps may take any token count (a ValueError names what conflicts)."""
+        if self.config.speculative is None:
+            return
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet; "
+                             "allowed with speculative decoding: tensor_parallel_size=1")
+        if self.config.scheduler.async_scheduling:
+            raise ValueError("async_scheduling=True cannot be combined with speculative_config (the next "
+                             "step's drafts depend on this step's accepted tokens); allowed with "
+                             "speculative decoding: False or None")
+        if self.backend.capabilities.static_shapes:
+            raise ValueError(f"speculative_config is not supported by backend {self.backend.name!r}: its "
+                             "steps are precompiled for static shapes, and verification steps (1 + "
+                             "num_speculative_tokens logits rows per request) are not among its buckets")
+
+    def speculative_stats(self):
+        """Speculative decoding counters (`SpecDecodingStats`: acceptance_rate,
+        mean_acceptance_length), or None without speculative decoding."""
+        return self.scheduler.spec_stats if self.config.speculative is not None else None
 
     def _async_scheduling(self) -> bool:
         """The configured `async_scheduling`, else the backend's capability; True on a
@@ -79,6 +104,8 @@ class LLMEngine:
             if wanted:
                 raise ValueError("async_scheduling=True does not support tensor_parallel_size > 1; "
                                  "allowed with tensor parallelism: False or None")
+            return False
+        if self.config.speculative is not None:   # checked above: wanted is not True
             return False
         if wanted and not able:
             raise ValueError(f"async_scheduling=True is not supported by backend {self.backend.name!r} "
@@ -265,12 +292,16 @@ class LLMEngine:
         finished (or were aborted) while it was in flight get nothing from it."""
         failed = [self._fail(so.requests[row], error) for row, error in result.errors.items()
                   if not so.requests[row].finished]
-        update = self.scheduler.update(so, result.tokens)
+        if result.num_sampled is None:
+            update = self.scheduler.update(so, result.tokens)
+        else:
+            update = self.scheduler.update(so, result.sampled_token_ids, result.num_sampled,
+                                           result.draft_token_ids, result.num_draft_tokens)
         finished = update.finished + failed
         for rid, rows in result.prompt_logprobs.items():
             if self.outputs.parent_id(rid) is not None:
                 self.outputs.add_prompt_logprobs(rid, rows)
-        for req, stop in self.outputs.process(update.advanced, result.logprobs):
+        for req, stop in self.outputs.process(update.advanced, result.logprobs, update.num_new):
             if not req.finished:
                 finished.append(req)
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)   # wins over length / EOS

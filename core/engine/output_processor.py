@@ -91,17 +91,23 @@ class OutputProcessor:
         return c.detok.update(new_ids, check_stop=len(req.output_token_ids) > params.min_tokens)
 
     def process(self, advanced: list[Request],
-                logprobs: dict[str, tuple[list[int], list[float], int]]) -> list[tuple[Request, str]]:
+                logprobs: dict[str, tuple[list[int], list[float], int]],
+                num_new: list[int] | None = None) -> list[tuple[Request, str]]:
         """Record this step's token of each advanced request (detokenize, logprobs);
-        returns the (request, stop string) pairs whose text hit a stop string."""
+        returns the (request, stop string) pairs whose text hit a stop string.
+        `num_new`: tokens each advanced request got this step (None: one each)."""
         hits = []
         watched = self.watched
         if not watched:
             return hits
-        for req in advanced:
+        for i, req in enumerate(advanced):
             rid = req.request_id
             if rid in watched:
-                stop = self.update(req, req.output_token_ids[-1:], logprobs.get(rid))
+                n = 1 if num_new is None else num_new[i]
+                if not n:
+                    continue
+                new = req.output_token_ids[-n:]
+                stop = self.update(req, new, logprobs.get(rid))
                 if stop is not None:
                     hits.append((req, stop))
         return hits

@@ -26,6 +26,16 @@ scheduling: a running request is then scheduled for the token still in flight
 request that stopped is dropped), except one whose placeholder already reaches
 its length limit. A request finished or aborted while its step was in flight
 gets nothing from that step; one preempted meanwhile keeps the token.
+
+Speculative decoding: a decoding request with draft tokens (proposed by the
+runner after its last step, `update(..., draft_token_ids=...)`) is scheduled
+1 + drafts tokens; drafts take the budget left after every running request's
+own tokens, in order. `update` then appends the accepted drafts and the
+sampled token (stop rules apply to them in order; tokens after a stop are
+dropped) and rolls progress back to the accepted positions: the KV written at
+rejected positions is overwritten later; the blocks stay with the request
+(`SlotArrays.num_blocks`) and are registered in the prefix cache only once
+their every position is accepted. Not combined with asynchronous scheduling.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from polyrunner.engine.kv_manager import KVCacheManager
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.slots import SlotArrays
 from polyrunner.sampling_params import SamplingParams
+from polyrunner.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -82,6 +93,10 @@ class SchedulerOutput:
     samples: np.ndarray = field(default_factory=lambda: _NO_ROWS)   # [R] bool: the row completes its
     #   sequence and its sampled token counts (else a partial prefill, its sample is dropped)
     num_finished_at_schedule: int = 0   # the scheduler's finished count when this step was made
+    # speculative decoding, None when no row has drafts this step: [R] draft tokens scheduled
+    # (the last ones of the row's num_scheduled), [R, k] their ids (the first num_draft_tokens[i])
+    num_draft_tokens: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -103,6 +118,7 @@ class StepUpdate:
 
     advanced: list[Request]
     finished: list[Request]
+    num_new: list[int] | None = None   # tokens appended per advanced request (None: one each)
 
 
 def _priority_key(req: Request) -> tuple[int, int]:
@@ -110,11 +126,14 @@ def _priority_key(req: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.slots = SlotArrays(config.max_num_seqs, max_model_len)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodingStats()
+        self.slots = SlotArrays(config.max_num_seqs, max_model_len, num_speculative_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -159,7 +178,7 @@ class Scheduler:
         module docstring); every non-empty step must be updated, in order."""
         out = SchedulerOutput(num_finished_at_schedule=self._num_finished)
         budget = self.config.max_num_batched_tokens
-        rows, slots, counts, computed, total = self._schedule_running(out, budget)
+        rows, slots, counts, computed, total, drafts = self._schedule_running(out, budget)
         admitted = self._admit(out, budget - total)
         if not admitted:
             if not rows:
@@ -173,11 +192,17 @@ class Scheduler:
             slots = np.concatenate([slots, new_slots])
             counts = np.concatenate([counts, np.array([n for _, n in admitted], np.int64)])
             computed = np.concatenate([computed, self.slots.num_computed[new_slots]])
+            if drafts is not None:
+                drafts = np.concatenate([drafts, np.zeros(len(admitted), np.int64)])
         if (counts > 1).any():   # decodes first (stable)
             order = np.argsort(counts > 1, kind="stable")
             rows = [rows[i] for i in order.tolist()]
             slots, counts, computed = slots[order], counts[order], computed[order]
+            if drafts is not None:
+                drafts = drafts[order]
         out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
+        if drafts is not None:
+            out.num_draft_tokens, out.draft_token_ids = drafts, self.slots.draft_ids[slots]
         return self._advance(out)
 
     def _advance(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -189,6 +214,8 @@ class Scheduler:
         a.num_computed[slots] = nc
         out.samples = samples = nc >= a.num_tokens[slots]
         a.num_tokens[slots] += samples
+        if out.num_draft_tokens is not None:
+            a.num_drafts[slots] = 0   # consumed; `update` brings the next ones
         self.num_in_flight += 1
         return out
 
@@ -213,10 +240,11 @@ class Scheduler:
         return take
 
     def _schedule_running(self, out: SchedulerOutput, budget: int
-                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, int]:
+                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]:
         """Plan the running requests, preempting the newest while the blocks the plan
         needs exceed the free ones; allocate. Returns the scheduled rows, their
-        slots, token counts, computed tokens, and the total token count."""
+        slots, token counts, computed tokens, the total token count, and the draft
+        tokens among each row's count (None: no drafts this step)."""
         bs = self.kv.block_size
         a = self.slots
         while self.running:
@@ -226,34 +254,50 @@ class Scheduler:
             if self.num_in_flight:   # a request whose token in flight ends it by length runs no more
                 want[a.num_tokens[slots] >= a.length_limit[slots]] = 0
             total = int(want.sum())
-            # a running request holds exactly cdiv(num_computed, block_size) blocks
-            if total == len(slots) and total <= budget:   # all decodes: one token each
+            drafts = a.num_drafts[slots] if self.num_speculative_tokens else None
+            if drafts is not None and not drafts.any():
+                drafts = None
+            held = a.num_blocks[slots]   # cdiv(num_computed, block_size), or more after a rollback
+            if drafts is None and total == len(slots) and total <= budget:   # all decodes: one token each
                 take, need = want, None
-                grow = np.flatnonzero(nc % bs == 0)       # ... whose position starts a block
+                grow = np.flatnonzero(nc // bs >= held)   # ... whose position starts a block
                 num_needed = len(grow)
             else:
                 take = self._plan(want, budget)
+                if drafts is not None:
+                    drafts = self._fit_drafts(drafts * ((take == want) & (want == 1)), budget - int(take.sum()))
+                    take = take + drafts
                 total = int(take.sum())
-                need = (nc + take - 1) // bs - (nc - 1) // bs
+                need = np.maximum((nc + take + bs - 1) // bs - held, 0)
                 grow = np.flatnonzero(need)
                 num_needed = int(need[grow].sum())
             if num_needed <= self.kv.pool.num_free_blocks:
                 break
             self._preempt(self._victim(), out)
         else:
-            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0
+            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0, None
         running = self.running
         for i in grow.tolist():
             req = running[i]
             out.new_block_ids[req.slot] = self.kv.allocate(req, int(take[i]))
+            a.num_blocks[req.slot] = len(self.kv.blocks[req.request_id])
+        if drafts is not None and not drafts.any():
+            drafts = None
         if self.kv.enable_prefix_caching:
             for i in np.flatnonzero((nc + take) // bs > nc // bs).tolist():
                 req = running[i]   # a token still in flight is not known yet: no key for its block
                 self.kv.mark_computing(req, min(int(take[i]), req.num_tokens - int(nc[i])))
         if need is None or take.all():
-            return list(running), slots, take, nc, total
+            return list(running), slots, take, nc, total, drafts
         keep = np.flatnonzero(take)
-        return [running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep], total
+        return ([running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep], total,
+                None if drafts is None else drafts[keep])
+
+    @staticmethod
+    def _fit_drafts(drafts: np.ndarray, budget: int) -> np.ndarray:
+        """Draft tokens per row that fit in `budget`, given in row order."""
+        before = np.cumsum(drafts) - drafts
+        return np.clip(budget - before, 0, drafts)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> list[tuple[Request, int]]:
         """Admit waiting requests while budget, max_num_seqs and blocks allow;
@@ -288,6 +332,7 @@ class Scheduler:
             if self.kv.allocate(req, n) is None:
                 self._undo_admission(req, resumed)
                 break
+            self.slots.num_blocks[req.slot] = len(self.kv.blocks[req.request_id])
             if req is self.waiting[0]:
                 self.waiting.popleft()
             else:
@@ -325,6 +370,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        self.slots.num_blocks[req.slot] = self.slots.num_drafts[req.slot] = 0
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -337,12 +383,19 @@ class Scheduler:
         out.preempted_req_ids.add(req.request_id)
 
     # ---- after the step ----------------------------------------------------
-    def update(self, out: SchedulerOutput, tokens: np.ndarray) -> StepUpdate:
+    def update(self, out: SchedulerOutput, tokens: np.ndarray, num_sampled: np.ndarray | None = None,
+               draft_token_ids: np.ndarray | None = None, num_draft_tokens: np.ndarray | None = None
+               ) -> StepUpdate:
         """Append `tokens[i]` to every row i whose sequence the step completed
         (`out.samples`; the other rows ran a partial prefill and their token is
-        ignored) and whose request is not finished; apply length / EOS / stop-id rules."""
+        ignored) and whose request is not finished; apply length / EOS / stop-id rules.
+        Speculative decoding: `tokens` [R, k + 1] with `num_sampled` [R] tokens per
+        row (accepted drafts + 1), and the drafts proposed for each row's next step
+        (`draft_token_ids` [R, k], `num_draft_tokens` [R]); see the module docstring."""
         if out.is_empty:
             return StepUpdate([], [])
+        if num_sampled is not None:
+            return self._update_spec(out, tokens, num_sampled, draft_token_ids, num_draft_tokens)
         a = self.slots
         reqs, slots = out.requests, out.slots
         self.num_in_flight -= 1
@@ -406,3 +459,55 @@ class Scheduler:
         self.kv.free(req)
         self.slots.release(req)   # `req.slot` still names it, for the runner
         del self.requests[req.request_id]
+
+    def _update_spec(self, out: SchedulerOutput, tokens: np.ndarray, num_sampled: np.ndarray,
+                     draft_token_ids: np.ndarray | None, num_draft_tokens: np.ndarray | None) -> StepUpdate:
+        """`update` with several tokens per row (speculative decoding; synchronous only)."""
+        a = self.slots
+        self.num_in_flight -= 1
+        rows = np.flatnonzero(out.samples)
+        reqs = out.requests
+        advanced = [reqs[i] for i in rows.tolist()]
+        adv_slots = out.slots[rows]
+        ns = num_sampled[rows].astype(np.int64)
+        sched = np.zeros(len(rows), np.int64) if out.num_draft_tokens is None else out.num_draft_tokens[rows]
+        before = out.num_computed[rows] + out.num_scheduled[rows] - sched   # tokens before this step's
+        if out.num_draft_tokens is not None:
+            drafted = sched > 0
+            self.spec_stats.observe(int(drafted.sum()), int(sched.sum()), int((ns - 1)[drafted].sum()))
+        num_tokens = before + ns
+        a.num_tokens[adv_slots] = num_tokens
+        a.num_computed[adv_slots] = num_tokens - 1   # rejected positions rolled back
+        # stop candidates among the new tokens, in order (flattened row-major)
+        flat_row = np.repeat(np.arange(len(rows)), ns)
+        flat_pos = np.arange(len(flat_row)) - np.repeat(np.cumsum(ns) - ns, ns)
+        flat_tok = tokens[rows[flat_row], flat_pos]
+        cand = a.may_stop(adv_slots[flat_row], flat_tok, before[flat_row] + flat_pos + 1)
+        stops: dict[int, list[int]] = {}
+        for r, j in zip(flat_row[cand].tolist(), flat_pos[cand].tolist()):
+            stops.setdefault(r, []).append(j)
+        finished, num_new = [], []
+        for i, (req, toks) in enumerate(zip(advanced, tokens[rows].tolist())):
+            toks = toks[:int(ns[i])]
+            done = 0   # tokens appended so far
+            for j in stops.get(i, ()):
+                req.output_token_ids.extend(toks[done:j + 1])
+                done = j + 1
+                self.check_stop(req)
+                if req.finished:   # the tokens after the stop are dropped
+                    finished.append(req)
+                    break
+            else:
+                req.output_token_ids.extend(toks[done:])
+                done = len(toks)
+            num_new.append(done)
+        if self.kv.enable_prefix_caching:
+            bs = self.kv.block_size
+            for i in np.flatnonzero((num_tokens - 1) // bs > out.num_computed[rows] // bs).tolist():
+                if not advanced[i].finished:
+                    self.kv.cache_computed(advanced[i])
+        if num_draft_tokens is not None and draft_token_ids is not None and len(rows):
+            room = a.length_limit[adv_slots] - num_tokens - 1   # the step after samples one more
+            a.num_drafts[adv_slots] = np.clip(np.minimum(num_draft_tokens[rows], room), 0, None)
+            a.draft_ids[adv_slots] = draft_token_ids[rows]
+        return StepUpdate(advanced, finished, num_new)

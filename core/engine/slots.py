@@ -12,7 +12,11 @@ array operations:
 - `length_limit`: `num_tokens` at which the request ends by length
   (max_tokens output tokens, or max_model_len);
 - `stop_table`: token id -> "may stop some request" (EOS unless ignore_eos, and
-  stop_token_ids), a superset filter for `Scheduler.check_stop`.
+  stop_token_ids), a superset filter for `Scheduler.check_stop`;
+- `num_blocks`: KV blocks the request holds (more than cdiv(num_computed,
+  block_size) after rejected draft tokens were rolled back);
+- `num_drafts`, `draft_ids`: speculative decoding's draft tokens proposed for the
+  request's next step (`num_speculative_tokens` columns; none without it).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from polyrunner.engine.request import Request
 
 
 class SlotArrays:
-    def __init__(self, num_slots: int, max_model_len: int) -> None:
+    def __init__(self, num_slots: int, max_model_len: int, num_speculative_tokens: int = 0) -> None:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self._free = list(range(num_slots))   # a heap: the lowest free slot first
@@ -33,6 +37,9 @@ class SlotArrays:
         self.num_tokens = np.zeros(num_slots, np.int64)
         self.length_limit = np.zeros(num_slots, np.int64)
         self.stop_table = np.zeros(1, bool)   # ids past the end map to the last entry (False)
+        self.num_blocks = np.zeros(num_slots, np.int64)
+        self.num_drafts = np.zeros(num_slots, np.int64)
+        self.draft_ids = np.zeros((num_slots, num_speculative_tokens), np.int64)
 
     @property
     def num_free(self) -> int:
@@ -44,7 +51,7 @@ class SlotArrays:
             raise RuntimeError(f"all {self.num_slots} request slots are taken")
         slot = heapq.heappop(self._free)
         req.slot, req._progress = slot, self.num_computed
-        self.num_computed[slot] = 0
+        self.num_computed[slot] = self.num_blocks[slot] = self.num_drafts[slot] = 0
         self.num_tokens[slot] = req.num_tokens
         self.length_limit[slot] = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         stops = set(req.params.stop_token_ids or ())

@@ -8,6 +8,15 @@ transfers, and may supply its own sampling function (`GraphExecutor.sample`).
 `execute` runs a step and waits for its tokens. `execute_async` queues a step
 and returns at once (`AsyncModelRunnerOutput`): the next step, prepared while
 this one runs, reads this one's tokens on the device (asynchronous scheduling).
+
+Speculative decoding (`config.speculative`): after each step the proposer drafts
+tokens for the rows that may take them; a step that schedules drafts computes
+logits at every draft position and verifies them with the rejection sampler
+(`_execute_spec`). Rows whose sampling depends on the tokens before each
+position in ways the batch metadata cannot express per position (penalties,
+bad words, logits processors, min_tokens not reached) or that report logprobs
+get no drafts, so every token is drawn from exactly the normal sampler's
+distribution.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
 from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
 from polyrunner.runner.states import RequestStates
 from polyrunner.sample import SamplingState, compute_prompt_logprobs
+from polyrunner.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from polyrunner.spec_decode.proposer import Proposer, make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,11 @@ class ModelRunner:
         self._last_decode: tuple[np.ndarray, StepInputs, ModelInputs, np.ndarray | None] | None = None
         self._in_flight: AsyncModelRunnerOutput | None = None   # the last step `execute_async` queued
         self._decode_ready = False   # the last step is an unpadded all-decode step
+        spec = config.speculative
+        self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
+        # the structured-output manager, when it offers `fill_bitmask(rows, draft_tokens_per_row)`
+        # and `accept(slot, tokens)`: verification steps then mask draft positions (not wired yet)
+        self.structured = None
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self, agree: Callable[[int], int] | None = None) -> int:
@@ -149,6 +165,8 @@ class ModelRunner:
         model, sample, wait for the tokens. An unpadded all-decode step on the slots
         of the previous one advances that step's inputs (`next_decode_inputs`)
         instead of rebuilding them."""
+        if so.num_draft_tokens is not None:
+            return self._execute_spec(so)
         states = self.states
         step, inputs = self._prepare(so)
         R = so.num_reqs
@@ -166,7 +184,97 @@ class ModelRunner:
                 result.logprobs[req_id] = lists.row(r, k)
         if self._decode_ready:
             self._last_decode = (so.slots, step, inputs, tokens)
+        if self.proposer is not None:
+            result.sampled_token_ids, result.num_sampled = tokens[:, None], np.ones(R, np.int64)
+            self._propose(so, step, result)
         return result
+
+    # ---- speculative decoding ---------------------------------------------------
+    def _execute_spec(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """A step with draft tokens: row i computes its last token and its
+        `so.num_draft_tokens[i]` drafts; each of those positions yields logits
+        (a "virtual row" with the row's sampling parameters); the rejection sampler
+        keeps the accepted drafts and one more token. A step with a row that
+        reports logprobs samples only each row's first position (drafts rejected)."""
+        states = self.states
+        num_drafts = so.num_draft_tokens
+        states.write_drafts(so.slots, so.draft_token_ids, num_drafts)
+        step, inputs = self._prepare(so)
+        R = so.num_reqs
+        counts = num_drafts.astype(np.int64) + 1
+        cu = np.cumsum(counts)
+        within = np.arange(int(cu[-1])) - np.repeat(cu - counts, counts)
+        ends = step.query_start_loc[1:R + 1].astype(np.int64)
+        logits_idx = np.repeat(ends - counts, counts) + within
+        inputs.logits_indices = self.backend.to_device(logits_idx)
+        Rv = len(logits_idx)
+        virtual_slots = np.repeat(so.slots, counts)
+        row_of_virtual = np.repeat(np.arange(R), counts)
+        sampling = states.sampling
+        logprob_rows: list[tuple[int, str, int]] = []
+        with self.backend.no_grad():
+            hidden = self.executor.run(inputs)
+            logits = self.executor.compute_logits(hidden, inputs, Rv)[:Rv]
+            meta = sampling.make_metadata(virtual_slots, states.token_ids, states.num_prompt_tokens,
+                                          states.num_tokens, np.repeat(step.discard, counts))
+            if meta.max_num_logprobs is None:
+                sampled, num_sampled = rejection_sample(
+                    logits, meta, so.draft_token_ids, num_drafts, self._generators(so, step),
+                    sampling.default_generator)
+                errors = {int(row_of_virtual[v]): msg for v, msg in meta.failed_rows.items()}
+                logprobs = None
+            else:   # logprobs are reported per sampled token by the normal sampler
+                first = torch.from_numpy(cu - counts).to(logits.device)
+                meta = sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
+                                              states.num_tokens, step.discard)
+                out = self.executor.sample(logits[first], meta)
+                tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R]
+                sampled = np.full((R, so.draft_token_ids.shape[1] + 1), PLACEHOLDER_TOKEN_ID, np.int64)
+                sampled[:, 0] = tokens
+                num_sampled = np.ones(R, np.int64)
+                errors, logprobs = meta.failed_rows, out.logprobs
+                if logprobs is not None:
+                    logprob_rows = self._logprob_rows(so, step, meta)
+            prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
+        keep = np.flatnonzero(~step.discard)
+        states.append_tokens(so.slots[keep], sampled[keep], num_sampled[keep])
+        result = ModelRunnerOutput(sampled[:, 0].copy(), prompt_logprobs=prompt_lps, errors=errors,
+                                   sampled_token_ids=sampled, num_sampled=num_sampled)
+        if logprobs is not None:
+            lists = logprobs.tolists()
+            for r, req_id, k in logprob_rows:
+                result.logprobs[req_id] = lists.row(r, k)
+        self._propose(so, step, result)
+        return result
+
+    def _generators(self, so: SchedulerOutput, step: StepInputs) -> dict[int, torch.Generator]:
+        """Batch row -> generator of the seeded random rows (their own streams)."""
+        sampling = self.states.sampling
+        gens: dict[int, torch.Generator] = {}
+        if sampling.generators:
+            row_of = np.full(self.states.num_slots, -1, np.int64)
+            row_of[so.slots] = np.arange(so.num_reqs)
+            for slot, gen in sampling.generators.items():
+                r = int(row_of[slot])
+                if r >= 0 and not sampling.greedy[slot] and not step.discard[r]:
+                    gens[r] = gen
+        return gens
+
+    def _propose(self, so: SchedulerOutput, step: StepInputs, result: ModelRunnerOutput) -> None:
+        """Drafts for each row's next step (rows that may take them, see the module
+        docstring), into `result`."""
+        states, sampling = self.states, self.states.sampling
+        slots = so.slots
+        num_tokens = states.num_tokens[slots].astype(np.int64)
+        may = ~(sampling.has_penalty | sampling.has_bad_words | sampling.has_processors
+                | (sampling.num_logprobs >= 0))[slots]
+        may &= num_tokens - states.num_prompt_tokens[slots] >= sampling.min_tokens[slots]
+        may &= ~step.discard
+        if ((sampling.num_logprobs >= 0) & sampling.occupied).any():
+            may[:] = False   # a verification step with a logprobs row would drop every draft
+        k = self.proposer.num_speculative_tokens
+        result.draft_token_ids, result.num_draft_tokens = self.proposer.propose(
+            states.token_ids, slots, num_tokens, np.where(may, k, 0))
 
     def execute_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Queue one scheduled step; its tokens arrive later (`get_output()`). The

@@ -62,6 +62,22 @@ class RequestStates:
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
 
+    def append_tokens(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """The first `counts[i]` of `tokens[i]` ([R, m]) onto each given (distinct) slot."""
+        rows = np.repeat(np.arange(len(slots)), counts)
+        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        token_slots = slots[rows]
+        self.token_ids[token_slots, self.num_tokens[token_slots] + within] = tokens[rows, within]
+        self.num_tokens[slots] += counts.astype(self.num_tokens.dtype)
+
+    def write_drafts(self, slots: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> None:
+        """Draft tokens after each slot's tokens (the positions a verification step
+        computes); `num_tokens` does not move: accepted drafts are appended later."""
+        rows = np.repeat(np.arange(len(slots)), counts)
+        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        token_slots = slots[rows]
+        self.token_ids[token_slots, self.num_tokens[token_slots] + within] = drafts[rows, within]
+
     def remove(self, slot: int) -> None:
         if self.req_ids[slot] is None:
             return
