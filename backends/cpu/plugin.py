@@ -80,7 +80,13 @@ class CPUBackend(Backend):
         thread count follows the affinity: `threads.default_threads`)."""
         share = rank_cpus(local_rank, local_size)
         if share:
+            self._affinity = os.sched_getaffinity(0)
             os.sched_setaffinity(0, share)
+
+    def leave_rank(self) -> None:
+        if getattr(self, "_affinity", None):
+            os.sched_setaffinity(0, self._affinity)
+            self._affinity = None
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
         """bfloat16 where the CPU has it (see `native_bf16`), and float32. float16

@@ -222,6 +222,10 @@ class Backend:
         before the model loads: take this rank's share of the host (`local_rank` of
         `local_size` ranks here), e.g. its device (default: nothing)."""
 
+    def leave_rank(self) -> None:
+        """OPTIONAL; when the engine of rank 0 shuts down (its process, the caller's,
+        lives on): undo what `init_rank` changed for the process (default: nothing)."""
+
     def check_dtype(self, dtype: torch.dtype) -> None:
         """OPTIONAL; at start-up. Raise ValueError naming the allowed dtypes when the
         backend cannot run `dtype` (default: `capabilities.dtypes`)."""

@@ -60,7 +60,7 @@ class LLMEngine:
         self.runner = loaded.runner if tp is None else TPDriverRunner(loaded.runner, self.tp_driver)
         num_blocks = loaded.num_blocks
         if self.tp_driver is not None:   # the workers stop with the engine (or at exit)
-            weakref.finalize(self, self.tp_driver.shutdown)
+            weakref.finalize(self, _stop_tensor_parallel, self.tp_driver, self.backend)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
@@ -116,7 +116,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one device). Idempotent."""
         if self.tp_driver is not None:
-            self.tp_driver.shutdown()
+            _stop_tensor_parallel(self.tp_driver, self.backend)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
@@ -315,3 +315,9 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         req.error = error
         return req
+
+
+def _stop_tensor_parallel(driver, backend) -> None:
+    """Stop the workers and give the process its share of the host back (idempotent)."""
+    driver.shutdown()
+    backend.leave_rank()
