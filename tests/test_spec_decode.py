@@ -1,0 +1,130 @@
+"""Speculative decoding (ngram) through the engine: greedy tokens equal the
+non-speculative engine's on every tiny architecture, with chunked prefill, with
+preemption forced and with the prefix cache reused; draft tokens stay within the
+token budget; no KV block leaks; stop rules cut accepted tokens; bad configs are
+refused with the field named."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyrunner import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def _prompts() -> list[dict]:
+    """Repetitive prompts (the n-gram lookup finds matches) and plain ones."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(6):
+        motif = rng.integers(3, 500, size=5 + i).tolist()
+        out.append({"prompt_token_ids": motif * 4 + motif[:2]})
+    for n in (7, 33, 50):
+        out.append({"prompt_token_ids": rng.integers(3, 500, size=n).tolist()})
+    return out
+
+
+def _run(folder, spec, prompts, params, **kw):
+    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, speculative_config=spec, **kw)
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    sizes, drafted = [], []
+    schedule = llm.engine.scheduler.schedule
+
+    def watched():
+        so = schedule()
+        sizes.append(so.total_num_tokens)
+        drafted.append(0 if so.num_draft_tokens is None else int(so.num_draft_tokens.sum()))
+        return so
+
+    llm.engine.scheduler.schedule = watched
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert max(sizes) <= budget   # drafts count against max_num_batched_tokens
+    kv = llm.engine.kv
+    assert kv.num_held_blocks() == 0 and kv.pool.num_free_blocks == kv.pool.num_usable_blocks
+    return llm, [o.outputs[0].token_ids for o in outs], sum(drafted)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["plain", "chunked", "preempt"])
+def test_greedy_equals_non_speculative(tiny_model_factory, kind, variant):
+    folder, _ = tiny_model_factory(kind)
+    kw = {"plain": {}, "chunked": dict(max_num_batched_tokens=24, long_prefill_token_threshold=16),
+          "preempt": dict(num_gpu_blocks_override=12, block_size=8)}[variant]
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, base, _ = _run(folder, None, prompts, params, **kw)
+    llm, spec, drafted = _run(folder, SPEC, prompts, params, **kw)
+    assert spec == base
+    stats = llm.engine.speculative_stats()
+    assert drafted > 0 and stats.num_draft_tokens == drafted and stats.num_accepted_tokens > 0
+    assert 0.0 < stats.acceptance_rate <= 1.0 and stats.mean_acceptance_length > 1.0
+    if variant == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    if variant == "plain":   # blocks filled under speculation serve later requests from the prefix cache
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert again == base and llm.engine.kv.pool.stats.hit_tokens > 0
+
+
+def test_stop_rules_apply_to_accepted_tokens_in_order(tiny_model_factory):
+    """A stop id, EOS and max_tokens reached inside a run of accepted drafts end the
+    request there; min_tokens holds the stop back as without speculation."""
+    folder, _ = tiny_model_factory("llama")
+    prompts = _prompts()[:6]
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, base, _ = _run(folder, None, prompts, free)
+    stop = base[0][12]   # a token inside the repeated part of the first output
+    cases = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop]),
+             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop], min_tokens=14),
+             SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)]
+    for params in cases:
+        _, want, _ = _run(folder, None, prompts, params)
+        _, got, drafted = _run(folder, SPEC, prompts, params)
+        assert got == want and drafted > 0
+    assert len(want[0]) == 13
+
+
+def test_logprobs_and_penalties_rows_alongside_drafts(tiny_model_factory):
+    """Rows that report logprobs or carry penalties run beside drafting rows; tokens
+    and logprobs equal the non-speculative engine's."""
+    folder, _ = tiny_model_factory("qwen2")
+    prompts = _prompts()[:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)]
+    base = LLM(str(folder), backend="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(folder), backend="cpu", dtype="float32", speculative_config=SPEC)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(base, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    lp_a = [sorted(d) for d in base[3].outputs[0].logprobs]
+    lp_b = [sorted(d) for d in spec[3].outputs[0].logprobs]
+    assert lp_a == lp_b
+
+
+def test_async_scheduling_default_is_off_with_speculation(tiny_model_factory):
+    folder, _ = tiny_model_factory("llama")
+    llm = LLM(str(folder), backend="cpu", dtype="float32", speculative_config=SPEC)
+    assert llm.engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+])
+def test_bad_speculative_config_names_the_field(tiny_model_factory, bad, field):
+    folder, _ = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match=field):
+        LLM(str(folder), backend="cpu", dtype="float32", speculative_config=bad)
+
+
+@pytest.mark.parametrize("kw, words", [(dict(async_scheduling=True), "async_scheduling"),
+                                       (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+def test_refused_combinations(tiny_model_factory, kw, words):
+    folder, _ = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match=words):
+        LLM(str(folder), backend="cpu", dtype="float32", speculative_config=SPEC, **kw)
