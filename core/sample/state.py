@@ -273,9 +273,9 @@ class SamplingState:
         if not rows.size:
             return
         if rows.size == len(slots):
-            meta.grammar_bitmask = self._upload(bitmask)
+            meta.grammar_bitmask = self._upload(bitmask.numpy())
         else:
-            meta.grammar_bitmask = self._upload(bitmask[torch.from_numpy(rows)])
+            meta.grammar_bitmask = self._upload(bitmask.numpy()[rows])
             meta.grammar_rows = self._upload(rows)
 
     def _host_rows(self, slots: np.ndarray, num_prompt_tokens: np.ndarray,

@@ -10,7 +10,9 @@ as the stop tokens (EOS is allowed exactly where the grammar may end).
 `compile(params)` returns the `CompiledGrammar`, cached by `params.key()`
 (an LRU of `cache_size` entries), and raises ValueError naming the field
 (`structured_outputs.json`, `.regex`, `.grammar`, `.choice`) when xgrammar
-refuses the constraint. The engine calls it when it admits a request, off the
+refuses the constraint. JSON (`json`, and `json_object`: any object) allows
+free whitespace unless `disable_any_whitespace`, at most JSON_MAX_WHITESPACE
+characters per gap. The engine calls it when it admits a request, off the
 step path.
 """
 
@@ -24,6 +26,9 @@ from typing import Any
 
 from polyrunner.structured.params import StructuredOutputsParams
 
+# JSON's free whitespace (vLLM's default, any_whitespace) is bounded to this many characters
+# per gap: small models otherwise can emit newlines until max_tokens cuts the object.
+JSON_MAX_WHITESPACE = 16
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
@@ -76,11 +81,12 @@ class GrammarCompiler:
         kind = params.kind
         c = self._compiler
         try:
-            if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return c.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else params.json
+                schema = schema if isinstance(schema, str) else json.dumps(schema)
+                free = not params.disable_any_whitespace
+                return c.compile_json_schema(schema, any_whitespace=free,
+                                             max_whitespace_cnt=JSON_MAX_WHITESPACE if free else None)
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":
