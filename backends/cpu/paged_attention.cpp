@@ -315,18 +315,21 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
   }
 }
 
-// ---- decode: one query per request, parallel over (request, KV head, context split) ----
-// Each work item reads one KV head's keys and values of a key range once
-// (prefetching the next block while it computes on the current one) for the G
-// query heads that share it. When there are fewer (request, KV head) pairs than
-// twice the threads, long contexts are split into ranges of whole blocks; each
-// split leaves (max, sum, unnormalised output) per query head and a final pass
-// merges them. Items run through `thread_pool.cpp`: a stalled thread holds one item.
-constexpr int64_t DEC_MAX_GD = 4096;  // G * D floats of accumulators per item (on the stack)
+// ---- decode: one query per request, parallel over (request, KV heads, context split) ----
+// Each work item reads the keys and values of a range of KV heads over a key range
+// once, block by block (prefetching the next block while it computes on the
+// current one), for the G query heads that share each KV head. With at least
+// twice as many requests as threads an item is a request (all heads: each block's
+// rows are read whole); otherwise an item is one (request, KV head) pair, and when
+// those are fewer than twice the threads long contexts are split into ranges of
+// whole blocks: each split leaves (max, sum, unnormalised output) per query head
+// and a final pass merges them. Items run through `thread_pool.cpp`: a stalled
+// thread holds one item.
+constexpr int64_t DEC_MAX_GD = 16384;  // heads * G * D floats of accumulators per item (on the stack)
 constexpr int64_t DEC_MIN_SPLIT = 64;  // keys per split at least
 
 struct DecodeItem {
-  int64_t r, hk, k0, k1, part;  // request, KV head, key positions [k0, k1), partial slot (-1: final)
+  int64_t r, h0, h1, k0, k1, part;  // request, KV heads [h0, h1), key positions [k0, k1), partial slot (-1: final)
 };
 
 template <typename T>
@@ -425,47 +428,51 @@ template <typename T>
 void decode_item(void* ctx, int64_t idx, int) {
   const DecodeCall<T>& c = *static_cast<const DecodeCall<T>*>(ctx);
   const DecodeItem& it = c.items[idx];
-  const int64_t G = c.G, D = c.D, bs = c.bs, row = c.Hkv * D;
-  const T* q = c.q + int64_t(c.qsl[it.r]) * c.q_ts + it.hk * G * D;
+  const int64_t G = c.G, D = c.D, bs = c.bs, row = c.Hkv * D, nh = it.h1 - it.h0;
+  const T* q = c.q + int64_t(c.qsl[it.r]) * c.q_ts + it.h0 * G * D;
   const int32_t* table = c.bt + it.r * c.bt_stride;
-  float acc[DEC_MAX_GD], m[DEC_MAX_GD / 32], l[DEC_MAX_GD / 32];
-  std::fill(acc, acc + G * D, 0.f);
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + G, 0.f);
+  float acc[DEC_MAX_GD], m[DEC_MAX_GD / 32], l[DEC_MAX_GD / 32];  // [head - h0][g]...
+  std::fill(acc, acc + nh * G * D, 0.f);
+  std::fill(m, m + nh * G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nh * G, 0.f);
   for (int64_t b = it.k0 / bs; b * bs < it.k1; ++b) {
-    const int64_t off = (int64_t(table[b]) * bs) * row + it.hk * D;
-    const T* kb = c.kc + off;
-    const T* vb = c.vc + off;
-    if ((b + 1) * bs < it.k1) {  // the next block (elsewhere in memory): its K and V rows of this head
-      const int64_t noff = (int64_t(table[b + 1]) * bs) * row + it.hk * D;
+    const int64_t off = (int64_t(table[b]) * bs) * row + it.h0 * D;
+    if ((b + 1) * bs < it.k1) {  // the next block (elsewhere in memory): its K and V rows of these heads
+      const int64_t noff = (int64_t(table[b + 1]) * bs) * row + it.h0 * D;
       for (int64_t j = 0; j < bs; ++j)
-        for (int64_t e = 0; e < D * int64_t(sizeof(T)); e += 64) {
+        for (int64_t e = 0; e < nh * D * int64_t(sizeof(T)); e += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(c.kc + noff + j * row) + e);
           __builtin_prefetch(reinterpret_cast<const char*>(c.vc + noff + j * row) + e);
         }
     }
     const int64_t ja = std::max(it.k0 - b * bs, int64_t(0)), jb = std::min(it.k1 - b * bs, bs);
+    for (int64_t h = 0; h < nh; ++h) {
+      const T* qh = q + h * G * D;
+      const T* kb = c.kc + off + h * D;
+      const T* vb = c.vc + off + h * D;
+      float *mh = m + h * G, *lh = l + h * G, *ah = acc + h * G * D;
 #ifdef PR_BF16_DOT
-    if (std::is_same<T, uint16_t>::value && (D == 64 || D == 128)) {
-      const uint16_t* q16 = reinterpret_cast<const uint16_t*>(q);
-      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
-      const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
-      if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, m, l, acc);
-      else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, m, l, acc);
-      continue;
-    }
+      if (std::is_same<T, uint16_t>::value && (D == 64 || D == 128)) {
+        const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qh);
+        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
+        const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
+        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah);
+        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah);
+        continue;
+      }
 #endif
-    decode_block<T>(q, kb, vb, row, ja, jb, G, D, c.scale, m, l, acc);
+      decode_block<T>(qh, kb, vb, row, ja, jb, G, D, c.scale, mh, lh, ah);
+    }
   }
   if (it.part < 0) {  // the whole context: normalise into out
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < nh * G; ++g) {
       const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      T* dst = c.out + int64_t(c.qsl[it.r]) * c.o_ts + (it.hk * G + g) * D;
+      T* dst = c.out + int64_t(c.qsl[it.r]) * c.o_ts + (it.h0 * G + g) * D;
       for (int64_t d = 0; d < D; ++d) st(dst + d, acc[g * D + d] * inv);
     }
     return;
   }
-  float* p = c.part + it.part * G * (D + 2);
+  float* p = c.part + it.part * G * (D + 2);  // split items hold one KV head
   for (int64_t g = 0; g < G; ++g) {
     std::copy(acc + g * D, acc + (g + 1) * D, p + g * (D + 2));
     p[g * (D + 2) + D] = m[g];
@@ -485,8 +492,10 @@ bool decode(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
     if (int64_t(qsl[r + 1]) - qsl[r] > 1) return false;
   DecodeCall<T> c{q, cache, cache + NB * bs * Hkv * D, out, q_ts, o_ts, bs, Hkv, D, G, bt_stride,
                   qsl, seq_lens, bt, scale, {}, nullptr};
-  int64_t pairs = 0;
-  for (int64_t r = r_begin; r < r_end; ++r) pairs += (qsl[r + 1] > qsl[r] && seq_lens[r] > 0) ? Hkv : 0;
+  int64_t reqs = 0;
+  for (int64_t r = r_begin; r < r_end; ++r) reqs += (qsl[r + 1] > qsl[r] && seq_lens[r] > 0) ? 1 : 0;
+  const bool whole = reqs >= 2 * threads && Hq * D <= DEC_MAX_GD && Hq <= DEC_MAX_GD / 32;  // all heads per item
+  const int64_t pairs = reqs * Hkv;
   const int64_t want = pairs > 0 && pairs < 2 * threads ? (2 * threads + pairs - 1) / pairs : 1;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first part, number of parts) per split pair
   std::vector<int64_t> merge_rh;                    // r * Hkv + hk of each
@@ -495,13 +504,17 @@ bool decode(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
     const int64_t L = seq_lens[r];
     if (qsl[r + 1] <= qsl[r] || L <= 0) continue;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    if (whole) {
+      c.items.push_back({r, 0, Hkv, lo, L, -1});
+      continue;
+    }
     // splits of whole blocks, each at least DEC_MIN_SPLIT keys
     const int64_t nblk = (L + bs - 1) / bs - lo / bs;
     int64_t S = std::min(want, std::max<int64_t>(1, (L - lo) / DEC_MIN_SPLIT));
     S = std::max<int64_t>(1, std::min(S, nblk));
     for (int64_t hk = 0; hk < Hkv; ++hk) {
       if (S == 1) {
-        c.items.push_back({r, hk, lo, L, -1});
+        c.items.push_back({r, hk, hk + 1, lo, L, -1});
         continue;
       }
       merges.emplace_back(parts, S);
@@ -509,7 +522,7 @@ bool decode(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
       const int64_t b0 = lo / bs;
       for (int64_t s = 0; s < S; ++s) {
         const int64_t k0 = std::max(lo, (b0 + nblk * s / S) * bs), k1 = std::min(L, (b0 + nblk * (s + 1) / S) * bs);
-        c.items.push_back({r, hk, k0, k1, parts++});
+        c.items.push_back({r, hk, hk + 1, k0, k1, parts++});
       }
     }
   }
