@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from polyrunner.sampling_params import SamplingParams, SamplingParamsError
+from polyrunner.structured import StructuredOutputsParams
 
 
 class _Request(BaseModel):
@@ -35,6 +36,33 @@ def _opt(default: Any = None, **kw: Any) -> Any:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`."""
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: "text", "json_object" or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Request):
+    """vLLM's `structured_outputs` extra body field (StructuredOutputsParams' fields)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class _SamplingRequest(_Request):
@@ -63,6 +91,31 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False               # token ids in the response (vLLM)
     return_tokens_as_token_ids: bool = False     # logprob tokens as "token_id:N" (vLLM)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None   # vLLM's extra body field
+
+    def _structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint and the field it came from: `response_format` (json_schema
+        -> json, json_object -> json_object, text -> none) or vLLM's `structured_outputs`."""
+        fmt, body = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and body is not None:
+            raise RequestError("give at most one of response_format and structured_outputs", "response_format")
+        try:
+            if body is not None:
+                return StructuredOutputsParams(**body.model_dump(by_alias=True)), "structured_outputs"
+            if fmt is None or fmt.type == "text":
+                return None, ""
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True), "response_format"
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise RequestError("response_format of type json_schema needs json_schema.schema",
+                                   "response_format.json_schema")
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format"
+        except ValueError as exc:
+            if isinstance(exc, RequestError):
+                raise
+            param = "structured_outputs" if body is not None else "response_format"
+            raise RequestError(str(exc), param) from None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
@@ -83,6 +136,9 @@ class _SamplingRequest(_Request):
                 except ValueError:
                     raise RequestError(f"logit_bias keys must be token ids (got {key!r})", "logit_bias") from None
             values["logit_bias"] = bias
+        structured, _ = self._structured()
+        if structured is not None:
+            values["structured_outputs"] = structured
         try:
             return SamplingParams(**values)
         except SamplingParamsError as exc:
