@@ -128,3 +128,30 @@ def test_refused_combinations(tiny_model_factory, kw, words):
     folder, _ = tiny_model_factory("llama")
     with pytest.raises(ValueError, match=words):
         LLM(str(folder), backend="cpu", dtype="float32", speculative_config=SPEC, **kw)
+
+
+REPEAT = ("Repeat the following text exactly.\n\nText: The committee met on Tuesday to review the budget. "
+          "After a long discussion, the members agreed to fund the new library and to repair the old bridge "
+          "before winter.\n\nRepeated text: The committee met on Tuesday")
+
+
+@pytest.fixture(scope="module")
+def smollm_base():
+    params = [SamplingParams(temperature=0.0, max_tokens=40),
+              SamplingParams(temperature=0.0, max_tokens=40, stop=["library"])]
+    base = LLM(dtype="float32", max_num_seqs=4).generate([REPEAT, REPEAT], params, use_tqdm=False)
+    return params, base
+
+
+@pytest.mark.parametrize("kw", [{}, dict(max_num_batched_tokens=16)])
+def test_smollm2_greedy_equals_non_speculative(smollm_base, kw):
+    """The embedded SmolLM2 (float32) repeating a text: same tokens and text, also with a
+    stop string that falls inside accepted drafts; most drafts accepted."""
+    params, base = smollm_base
+    llm = LLM(dtype="float32", max_num_seqs=4, speculative_config=SPEC, **kw)
+    spec = llm.generate([REPEAT, REPEAT], params, use_tqdm=False)
+    for a, b in zip(base, spec):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text and b.outputs[0].finish_reason == a.outputs[0].finish_reason
+    assert base[1].outputs[0].finish_reason == "stop"
+    assert llm.engine.speculative_stats().acceptance_rate > 0.5

@@ -107,10 +107,29 @@ class OutputProcessor:
                 if not n:
                     continue
                 new = req.output_token_ids[-n:]
-                stop = self.update(req, new, logprobs.get(rid))
+                stop = self._stop_before_last(req, new) if n > 1 and req.params.stop else None
+                if stop is None:
+                    stop = self.update(req, new, logprobs.get(rid))
                 if stop is not None:
                     hits.append((req, stop))
         return hits
+
+    def _stop_before_last(self, req: Request, new: list[int]) -> str | None:
+        """Several new tokens (speculative decoding): detokenize all but the last one by
+        one; a stop string completed by one of them ends the output there (the later
+        tokens are dropped, as without speculation). Leaves only the last for `update`."""
+        c = self._completions[req.request_id]
+        if c.detok is None:
+            return None
+        outputs, n = req.output_token_ids, len(new)
+        for j in range(n - 1):
+            after = n - 1 - j   # tokens after this one
+            stop = c.detok.update(new[j:j + 1], check_stop=len(outputs) - after > req.params.min_tokens)
+            if stop is not None:
+                del outputs[len(outputs) - after:]
+                return stop
+        new[:] = new[-1:]
+        return None
 
     def outputs_for(self, advanced: list[Request], finished: list[Request]) -> list[RequestOutput]:
         """The outputs this step owes: every streaming parent that advanced, and
