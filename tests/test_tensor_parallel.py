@@ -60,7 +60,7 @@ def reference(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_mqa"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_mqa", "llama_odd"])
 def test_tp2_equals_tp1(kind, tiny_model_factory, reference):
     folder = tiny_model_factory(kind)[0]
     _assert_same(_run(folder, 2), reference(kind))
@@ -79,6 +79,21 @@ def test_tp2_equals_tp1_with_chunked_prefill_and_preemption(tiny_model_factory, 
     _assert_same(got, expected)
 
 
+def test_embedded_smollm2_tp2_equals_tp1():
+    """SmolLM2-135M: 9 heads over 3 KV heads, padded with a zero KV head on 2 ranks."""
+    pytest.importorskip("gguf")
+    prompts = [{"prompt_token_ids": p} for p in ([1, 504, 3458, 314, 4649, 282], [1, 4093, 2114, 253, 655])]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(None, backend="cpu", dtype="float32", tensor_parallel_size=tp, max_model_len=256, max_num_seqs=4)
+        try:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    _assert_same(outs[2], outs[1])
+
+
 def test_shards_split_heads_and_replicate_a_single_kv_head():
     arch = DecoderArch.from_hf_config({**COMMON, "num_key_value_heads": 1, "vocab_size": 511})
     shards = [TPShard.of(arch, r, 2) for r in range(2)]
@@ -88,8 +103,15 @@ def test_shards_split_heads_and_replicate_a_single_kv_head():
     rows = [s.slice("embed_tokens.weight", w) for s in shards]
     assert [r.shape[0] for r in rows] == [256, 256] and torch.equal(torch.cat(rows)[:511], w)
     assert not rows[1][-1].any()   # the padding row past the vocabulary
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide.*num_attention_heads"):
+    with pytest.raises(ValueError, match=r"intermediate_size \(128\) must be divisible by tensor parallel size \(3\)"):
         TPShard.of(arch, 0, 3)
+    # SmolLM2's 9 heads over 3 KV heads on 2 ranks: a zero KV head (and its 3 q heads) is added
+    smol = DecoderArch.from_hf_config({**COMMON, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                       "hidden_size": 576})
+    a, b = (TPShard.of(smol, r, 2) for r in range(2))
+    assert (a.num_heads, a.num_kv_heads, b.q_head_start, b.kv_head_start) == (6, 2, 6, 2)
+    q = torch.randn(9 * 64, 576)
+    assert torch.equal(b.slice("q_proj.weight", q)[:3 * 64], q[6 * 64:]) and not b.slice("q_proj.weight", q)[192:].any()
 
 
 def test_a_killed_worker_fails_the_call_naming_its_rank(tiny_model_factory):

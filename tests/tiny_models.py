@@ -23,6 +23,9 @@ def hf_config(kind: str):
         return tf.MistralConfig(**COMMON, sliding_window=48, tie_word_embeddings=False)
     if kind == "qwen2":
         return tf.Qwen2Config(**COMMON, tie_word_embeddings=False)
+    if kind == "llama_odd":   # 3 KV heads: two ranks need a zero KV head (like SmolLM2's 9 / 3)
+        return tf.LlamaConfig(**{**COMMON, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
+                              tie_word_embeddings=False, attention_bias=True)
     if kind == "llama_mqa":   # one KV head: tensor parallelism replicates it
         return tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True)
     if kind == "qwen3":

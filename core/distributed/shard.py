@@ -4,6 +4,10 @@
   (q heads split evenly; KV heads split evenly, or replicated when there are
   fewer KV heads than ranks: rank r holds KV head r * kv_heads // size) and its
   slice of the intermediate rows.
+- KV heads that the ranks cannot split evenly (SmolLM2's 3 over 2 ranks) are
+  padded with zero heads up to a multiple of the ranks, and the q heads with
+  them (each KV head keeps its group of q heads): a padded head's q, k and v
+  are zero and its o_proj columns are zero, so it adds nothing to the output.
 - o_proj, down_proj: row-parallel — each rank holds the matching input columns;
   the partial outputs are summed by an all-reduce. A bias is added once (rank 0).
 - embed_tokens, lm_head: vocabulary-parallel — each rank holds a contiguous
@@ -35,6 +39,8 @@ class TPShard:
     vocab_size: int          # the whole vocabulary
     vocab_per_rank: int      # rows of embed_tokens / lm_head on this rank (padded)
     head_dim: int
+    total_heads: int = 0     # the model's q heads (those past it on a rank are zero padding)
+    total_kv_heads: int = 0
 
     @classmethod
     def single(cls, arch: DecoderArch) -> TPShard:
@@ -45,19 +51,18 @@ class TPShard:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} of size {size}: rank must be in [0, {size - 1}]")
         heads, kv = arch.num_heads, arch.num_kv_heads
-        problems = []
-        if heads % size:
-            problems.append(f"num_attention_heads ({heads})")
-        if arch.intermediate_size % size:
-            problems.append(f"intermediate_size ({arch.intermediate_size})")
-        if kv >= size and kv % size or kv < size and size % kv:
-            problems.append(f"num_key_value_heads ({kv}) (it must divide or be divisible by it)")
-        if problems:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {', '.join(problems)}")
-        kv_local = kv // size if kv >= size else 1
-        kv_start = rank * kv_local if kv >= size else rank * kv // size
-        return cls(rank, size, heads // size, kv_local, rank * (heads // size), kv_start,
-                   arch.intermediate_size // size, arch.vocab_size, -(-arch.vocab_size // size), arch.head_dim)
+        if arch.intermediate_size % size:   # vLLM's wording
+            raise ValueError(f"intermediate_size ({arch.intermediate_size}) must be divisible by tensor parallel "
+                             f"size ({size})")
+        group = heads // kv
+        kv_padded = kv   # the fewest KV heads (real + zero) the ranks split evenly, or replicate
+        while not (kv_padded % size == 0 or size % kv_padded == 0 and kv_padded * group % size == 0):
+            kv_padded += 1
+        kv_local = kv_padded // size if kv_padded >= size else 1
+        kv_start = rank * kv_local if kv_padded >= size else rank * kv_padded // size
+        q_local = kv_padded * group // size
+        return cls(rank, size, q_local, kv_local, rank * q_local, kv_start, arch.intermediate_size // size,
+                   arch.vocab_size, -(-arch.vocab_size // size), arch.head_dim, heads, kv)
 
     @property
     def vocab_start(self) -> int:
@@ -78,22 +83,35 @@ class TPShard:
         if self.size == 1:
             return tensor
         module, kind = part.rsplit(".", 1)
-        d = self.head_dim
         if module == "q_proj":
-            return tensor.narrow(0, self.q_head_start * d, self.q_size)
+            return self._heads(tensor, 0, self.q_head_start, self.num_heads, self.total_heads)
         if module in ("k_proj", "v_proj"):
-            return tensor.narrow(0, self.kv_head_start * d, self.kv_size)
+            return self._heads(tensor, 0, self.kv_head_start, self.num_kv_heads, self.total_kv_heads)
         if module in ("gate_proj", "up_proj"):
             return tensor.narrow(0, self.rank * self.intermediate, self.intermediate)
         if module in ("o_proj", "down_proj"):
             if kind == "bias":
                 return tensor if self.rank == 0 else torch.zeros_like(tensor)
-            width = self.q_size if module == "o_proj" else self.intermediate
-            return tensor.narrow(1, self.rank * width, width)
+            if module == "o_proj":
+                return self._heads(tensor, 1, self.q_head_start, self.num_heads, self.total_heads)
+            return tensor.narrow(1, self.rank * self.intermediate, self.intermediate)
         if module in ("embed_tokens", "lm_head"):
-            rows = tensor[self.vocab_start:self.vocab_start + self.vocab_per_rank]
-            if rows.shape[0] < self.vocab_per_rank:   # the last range: zero rows past the vocabulary
-                pad = tensor.new_zeros(self.vocab_per_rank - rows.shape[0], *tensor.shape[1:])
-                rows = torch.cat([rows, pad])
-            return rows
+            return _rows_padded(tensor, 0, self.vocab_start, self.vocab_per_rank)
         return tensor
+
+    def _heads(self, tensor: torch.Tensor, dim: int, start: int, count: int, total: int) -> torch.Tensor:
+        """Heads [start, start + count) along `dim` (zeros for padding heads past `total`)."""
+        d = self.head_dim
+        return _rows_padded(tensor, dim, start * d, count * d, limit=total * d)
+
+
+def _rows_padded(tensor: torch.Tensor, dim: int, start: int, count: int, limit: int | None = None) -> torch.Tensor:
+    """`tensor[start:start + count]` along `dim`, with zeros past `limit` (default: its size)."""
+    limit = tensor.shape[dim] if limit is None else limit
+    real = max(0, min(count, limit - start))
+    part = tensor.narrow(dim, min(start, limit), real)
+    if real == count:
+        return part
+    shape = list(tensor.shape)
+    shape[dim] = count - real
+    return torch.cat([part, tensor.new_zeros(shape)], dim=dim)
