@@ -13,11 +13,19 @@ This module imports no grammar library: `SamplingParams` imports it.
 
 from __future__ import annotations
 
+import functools
 import json as _json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_info(serialized: str) -> Any:
+    """xgrammar's TokenizerInfo from its JSON, once per process (every grammar shares it)."""
+    import xgrammar
+    return xgrammar.TokenizerInfo.deserialize_json(serialized)
 
 
 @dataclass
@@ -81,15 +89,16 @@ class StructuredOutputsParams:
     # shared, not copied, by deepcopy (`SamplingParams.clone`, n > 1 children).
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        if state.get("compiled") is not None:
-            state["compiled"] = ("xgrammar", state["compiled"].serialize_json())
+        compiled = state.get("compiled")
+        if compiled is not None:
+            state["compiled"] = ("xgrammar", compiled.tokenizer_info.serialize_json(), compiled.serialize_json())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         compiled = state.get("compiled")
         if isinstance(compiled, tuple) and compiled[0] == "xgrammar":
             import xgrammar
-            state["compiled"] = xgrammar.CompiledGrammar.deserialize_json(compiled[1])
+            state["compiled"] = xgrammar.CompiledGrammar.deserialize_json(compiled[2], _tokenizer_info(compiled[1]))
         self.__dict__.update(state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "StructuredOutputsParams":
