@@ -115,3 +115,6 @@ def check_async_scheduling_same_tokens(ctx) -> str:
     preempted = asynchronous.scheduler.num_preemptions
     return (f"{len(got)} prompts equal synchronous scheduling token for token "
             f"({preempted} preemptions, budget {asynchronous.config.scheduler.max_num_batched_tokens})")
+
+
+from polyrunner.tools.conformance import structured_outputs  # noqa: E402,F401  (registers its end_to_end check)
