@@ -32,6 +32,16 @@ JSON_MAX_WHITESPACE = 16
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+def import_xgrammar() -> Any:
+    """xgrammar, or an ImportError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ImportError("structured_outputs needs the xgrammar package: pip install 'polyrunner[structured]' "
+                          f"(or pip install xgrammar) ({exc})") from None
+    return xgrammar
+
+
 def choice_grammar(choices: list[str]) -> str:
     """EBNF whose language is exactly `choices` (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -46,8 +56,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  cache_size: int = 256, max_threads: int = 2) -> None:
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
+        xgr = import_xgrammar()
+        from transformers import PreTrainedTokenizerFast   # an xgrammar dependency
 
         backend = getattr(tokenizer, "backend", tokenizer)   # our Tokenizer or a tokenizers.Tokenizer
         hf = tokenizer if isinstance(tokenizer, PreTrainedTokenizerFast) else \
