@@ -1,7 +1,7 @@
 """The engine in its own process: what only a process can do wrong. It dies
 (every pending request fails, health turns bad, nothing hangs, no process is
 left), its frontend dies (it exits by itself), it cannot start (the error says
-why), it stops (reaped), and a request that cannot cross the process boundary
+why), and a request that cannot cross the process boundary
 fails alone."""
 
 import asyncio
@@ -17,6 +17,7 @@ import pytest
 from polyrunner import SamplingParams
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError
 from polyrunner.engine.engine_process import EngineProcessError
+from processes import children, gone
 
 
 def _prompt(i: int, length: int = 12) -> dict:
@@ -31,16 +32,6 @@ def _new(folder) -> AsyncLLM:
     return AsyncLLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
                     engine_process=True)
 
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -94,34 +85,14 @@ def test_engine_exits_when_its_frontend_dies(folder):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[-1])
-    assert _gone(pid, 20), f"engine process {pid} outlived its frontend"
+    assert gone(pid, 20), f"engine process {pid} outlived its frontend"
 
 
 def test_a_failed_start_says_why_and_leaves_no_process(tmp_path):
-    before = _children()
+    before = children()
     with pytest.raises(EngineProcessError, match="failed to start.*does-not-exist"):
         AsyncLLM(str(tmp_path / "does-not-exist"), backend="cpu", engine_process=True)
-    assert _children() <= before
-
-
-def test_shutdown_aborts_the_rest_and_reaps_the_process(folder):
-    a = _new(folder)
-    proc = a._core.process
-
-    async def main():
-        task = asyncio.create_task(_collect(a, _prompt(1), _sp(10_000)))   # up to max_model_len (512)
-        while a.num_running < 1:
-            await asyncio.sleep(0.01)
-        t0 = time.monotonic()
-        await a.shutdown_async(timeout=0)
-        assert time.monotonic() - t0 < 10
-        return await asyncio.wait_for(task, 5)
-
-    outs = asyncio.run(main())
-    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert len(outs[-1].outputs[0].token_ids) < 500
-    assert a.counts.idle, a.counts          # the engine's last report: every block free
-    assert not proc.is_alive() and proc.exitcode == 0
+    assert children() <= before
 
 
 def test_logits_processors_cross_the_boundary_or_fail_alone(folder):
@@ -140,17 +111,3 @@ def test_logits_processors_cross_the_boundary_or_fail_alone(folder):
 
 async def _collect(a: AsyncLLM, prompt, params) -> list:
     return [out async for out in a.generate(prompt, params)]
-
-
-def _children() -> set[int]:
-    me = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me:
-                found.add(int(entry))
-    return found

@@ -20,6 +20,7 @@ from polyrunner import LLM, SamplingParams
 from polyrunner.distributed.shard import TPShard
 from polyrunner.distributed.workers import TensorParallelError
 from polyrunner.models.arch import DecoderArch
+from processes import children
 from tiny_models import COMMON
 
 PROMPTS = [[1, 5, 9, 200, 31, 7], [1, 44, 3, 8] * 9, [1, 300, 301, 302, 17, 99, 23, 5, 6, 7, 8], [1, 2]]
@@ -130,7 +131,7 @@ def test_a_killed_worker_fails_the_call_naming_its_rank(tiny_model_factory):
     finally:
         timer.cancel()
         llm.shutdown()
-    assert not worker.is_alive() and not _children()
+    assert not worker.is_alive() and not children()
 
 
 def test_torchrun_style_ranks_over_loopback(tiny_model_factory, reference):
@@ -159,25 +160,6 @@ def test_torchrun_style_ranks_over_loopback(tiny_model_factory, reference):
     assert outs[1][0].strip() == ""   # rank 1 served steps; the caller's code after LLM(...) ran on rank 0 only
 
 
-def _children() -> set[int]:
-    me, found = str(os.getpid()), set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me and fields[0] != "Z" and not _is_resource_tracker(int(entry)):
-                found.add(int(entry))
-    return found
-
-
-def _is_resource_tracker(pid: int) -> bool:
-    """multiprocessing's helper, started once per process by the first spawn; not a worker."""
-    try:
-        return b"resource_tracker" in open(f"/proc/{pid}/cmdline", "rb").read()
-    except OSError:
-        return False
 
 
 def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_factory, reference):
@@ -185,7 +167,7 @@ def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_fa
     import asyncio
     from polyrunner.engine.async_llm import AsyncLLM
     folder = tiny_model_factory("mistral")[0]
-    before = _children()
+    before = children()
     a = AsyncLLM(str(folder), backend="cpu", dtype="float32", tensor_parallel_size=2, max_num_seqs=8,
                  engine_process=True)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -203,4 +185,4 @@ def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_fa
     finally:
         a.shutdown(0)
     assert [f.outputs[0].token_ids for f in finals] == [o.outputs[0].token_ids for o in reference("mistral")]
-    assert _children() <= before
+    assert children() <= before
