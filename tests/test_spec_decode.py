@@ -6,6 +6,8 @@ refused with the field named."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -155,3 +157,34 @@ def test_smollm2_greedy_equals_non_speculative(smollm_base, kw):
         assert b.outputs[0].text == a.outputs[0].text and b.outputs[0].finish_reason == a.outputs[0].finish_reason
     assert base[1].outputs[0].finish_reason == "stop"
     assert llm.engine.speculative_stats().acceptance_rate > 0.5
+
+
+def test_serve_metrics_report_acceptance(tiny_model_factory):
+    """`polyrunner serve`'s /metrics: vLLM's spec_decode counters plus acceptance gauges."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from polyrunner.engine.async_llm import AsyncLLM
+    from polyrunner.tools.serve.metrics import ServerMetrics
+    folder, _ = tiny_model_factory("llama")
+    a = AsyncLLM(str(folder), backend="cpu", dtype="float32", speculative_config=SPEC)
+    try:
+        async def run():
+            async for _ in a.generate(_prompts()[0], SamplingParams(temperature=0.0, max_tokens=30,
+                                                                    ignore_eos=True), "r0"):
+                pass
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while a.counts.spec_decode is None or not a.counts.spec_decode[1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        text = ServerMetrics(a, "tiny").render()[0].decode()
+    finally:
+        a.shutdown(0)
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    stats = a.engine.speculative_stats()
+    assert values["polyrunner:spec_decode_num_draft_tokens_total"] == stats.num_draft_tokens > 0
+    assert values["polyrunner:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    assert values["polyrunner:spec_decode_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert values["polyrunner:spec_decode_mean_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)

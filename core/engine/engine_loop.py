@@ -51,6 +51,7 @@ class CoreCounts:
     adds_applied: int = 0             # sequences (n per request) taken from the queue, cumulative
     num_unfinished: int = 0           # requests the engine still holds
     runner_active: int = 0            # slots the model runner still holds
+    spec_decode: tuple[int, int, int] | None = None   # cumulative (drafts, draft tokens, accepted); None: off
 
     @property
     def kv_cache_usage(self) -> float:
@@ -61,6 +62,11 @@ class CoreCounts:
         """Nothing held: no request, every KV block free, no runner state."""
         return (self.num_unfinished == 0 and self.kv_free_blocks == self.kv_usable_blocks
                 and self.runner_active == 0)
+
+
+def _spec_counts(engine) -> tuple[int, int, int] | None:
+    stats = getattr(engine, "speculative_stats", lambda: None)()
+    return None if stats is None else (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
 
 
 def sequences(params: Any) -> int:
@@ -147,7 +153,7 @@ class EngineLoop:
         sched, pool = eng.scheduler, eng.kv.pool
         return CoreCounts(len(sched.running), len(sched.waiting), sched.num_preemptions, pool.num_free_blocks,
                           pool.num_usable_blocks, self.adds_applied, sched.num_unfinished,
-                          eng.runner.states.num_active)
+                          eng.runner.states.num_active, _spec_counts(eng))
 
 
 def rebuild_error(kind: str, message: str) -> Exception:

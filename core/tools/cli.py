@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -19,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many devices (processes; several hosts: torchrun)")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def _make_llm(args: argparse.Namespace):
@@ -26,7 +29,8 @@ def _make_llm(args: argparse.Namespace):
     return LLM(model=args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+               speculative_config=args.speculative_config)
 
 
 def _sampling(args: argparse.Namespace):

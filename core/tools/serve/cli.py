@@ -58,6 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
                          seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                         speculative_config=args.speculative_config,
                          engine_process=args.engine_process)
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,

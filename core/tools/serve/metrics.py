@@ -9,6 +9,7 @@ live in one process.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from polyrunner.engine.async_llm import AsyncLLM, StepStats
 
@@ -51,6 +52,7 @@ class ServerMetrics:
         def histogram(metric: str, doc: str, buckets):
             return Histogram(metric, doc, labels, buckets=buckets, registry=reg).labels(name)
 
+        reg.register(_SpecDecodeCollector(async_llm, name))
         self.ttft = histogram("polyrunner:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
         self.itl = histogram("polyrunner:inter_token_latency_seconds", "Inter-token latency (s).", ITL_BUCKETS)
         self.e2e = histogram("polyrunner:e2e_request_latency_seconds", "End-to-end request latency (s).",
@@ -84,3 +86,33 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _SpecDecodeCollector:
+    """Speculative decoding counters (vLLM's `spec_decode_*` names) and, as gauges, the
+    acceptance rate and mean acceptance length since start; nothing without speculation."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.async_llm, self.name = async_llm, model_name
+
+    def collect(self):
+        counts = self.async_llm.counts.spec_decode
+        if counts is None:
+            return
+        drafts, draft_tokens, accepted = counts
+        for metric, doc, value in (
+                ("polyrunner:spec_decode_num_drafts", "Number of spec decoding drafts.", drafts),
+                ("polyrunner:spec_decode_num_draft_tokens", "Number of draft tokens.", draft_tokens),
+                ("polyrunner:spec_decode_num_accepted_tokens", "Number of accepted tokens.", accepted)):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([self.name], value)
+            yield family
+        for metric, doc, value in (
+                ("polyrunner:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
+                 accepted / draft_tokens if draft_tokens else 0.0),
+                ("polyrunner:spec_decode_mean_acceptance_length",
+                 "Tokens per request per verification step since start (1 + accepted drafts).",
+                 1.0 + accepted / drafts if drafts else 1.0)):
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([self.name], value)
+            yield family
