@@ -21,7 +21,8 @@ Checks are plain functions grouped by module, both front-ends run them:
     execution     prepared (captured/compiled/warmed-up) == eager for every bucket (sampled);
                   no new graph after warm-up (when `capabilities.counts_graphs`)
     end_to_end    greedy == CPU reference token for token; seeded sampling reproducible;
-                  preemption and chunked prefill change no token
+                  preemption and chunked prefill change no token; structured outputs (JSON
+                  schema, regex, choice) hold on every output
     hygiene       all KV blocks free and no request state after a run; no memory growth
 
 A check is skipped only when the backend's declared `Capabilities` excuse it;
