@@ -195,3 +195,20 @@ def test_params_errors_vllm_wording():
         StructuredOutputsParams(json="{not json")
     p = SamplingParams(structured_outputs={"choice": ["a", "b"]})
     assert p.structured_outputs.choice == ["a", "b"] and "structured_outputs" in p.features()
+
+
+def test_preemption_keeps_grammar_state():
+    """With a KV cache too small for the batch, requests are preempted and recomputed;
+    their slot keeps its matcher, and every output still validates."""
+    small = LLM(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=16, enable_prefix_caching=False)
+    schemas = SCHEMAS[:8]
+    prompts = [chat(small, f"Answer with a JSON object with the fields {', '.join(s['properties'])}.")
+               for s in schemas]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas]
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    for schema, out in zip(schemas, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
