@@ -188,3 +188,27 @@ def test_serve_metrics_report_acceptance(tiny_model_factory):
     assert values["polyrunner:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
     assert values["polyrunner:spec_decode_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
     assert values["polyrunner:spec_decode_mean_acceptance_length"] == pytest.approx(stats.mean_acceptance_length)
+
+
+def test_structured_outputs_with_speculation():
+    """Grammar masks apply at every draft position: JSON that validates, identical to
+    the non-speculative engine's (greedy), with drafts proposed and accepted."""
+    import json
+
+    import jsonschema
+
+    from polyrunner.sampling_params import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"people": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "enum": ["Ann", "Bob", "Cid"]},
+                                         "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["name", "city"]}}}, "required": ["people"]}
+    prompt = ('Copy this JSON: {"people": [{"name": "Ann", "city": "Paris"}, {"name": "Bob", "city": "Rome"}, '
+              '{"name": "Cid", "city": "Paris"}]}\nJSON: ')
+    params = SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=schema))
+    base = LLM(dtype="float32", max_num_seqs=2).generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(dtype="float32", max_num_seqs=2, speculative_config=SPEC)
+    spec = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(spec.text), schema)
+    assert spec.token_ids == base.token_ids
+    stats = llm.engine.speculative_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0

@@ -16,7 +16,8 @@ logits at every draft position and verifies them with the rejection sampler
 position in ways the batch metadata cannot express per position (penalties,
 bad words, logits processors, min_tokens not reached) or that report logprobs
 get no drafts, so every token is drawn from exactly the normal sampler's
-distribution.
+distribution; structured-output rows get drafts, masked per position by their
+grammar.
 """
 
 from __future__ import annotations
@@ -70,9 +71,6 @@ class ModelRunner:
         self._decode_ready = False   # the last step is an unpadded all-decode step
         spec = config.speculative
         self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
-        # the structured-output manager, when it offers `fill_bitmask(rows, draft_tokens_per_row)`
-        # and `accept(slot, tokens)`: verification steps then mask draft positions (not wired yet)
-        self.structured = None
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self, agree: Callable[[int], int] | None = None) -> int:
@@ -217,6 +215,7 @@ class ModelRunner:
             logits = self.executor.compute_logits(hidden, inputs, Rv)[:Rv]
             meta = sampling.make_metadata(virtual_slots, states.token_ids, states.num_prompt_tokens,
                                           states.num_tokens, np.repeat(step.discard, counts))
+            self._draft_bitmask(meta, so)
             if meta.max_num_logprobs is None:
                 sampled, num_sampled = rejection_sample(
                     logits, meta, so.draft_token_ids, num_drafts, self._generators(so, step),
@@ -246,6 +245,21 @@ class ModelRunner:
                 result.logprobs[req_id] = lists.row(r, k)
         self._propose(so, step, result)
         return result
+
+    def _draft_bitmask(self, meta, so: SchedulerOutput) -> None:
+        """Structured outputs: each virtual row's mask is the grammar's after the row's
+        drafts before it (`StructuredOutputManager.fill_bitmask` with the drafts; the
+        metadata's matchers were synced to the kept tokens). A draft the grammar
+        refuses has probability 0 there, so it is rejected."""
+        structured = self.states.sampling.structured
+        if structured is None or not structured.matchers:
+            return
+        drafts = [row[:n] for row, n in zip(so.draft_token_ids.tolist(), so.num_draft_tokens.tolist())]
+        bitmask, rows = structured.fill_bitmask(so.slots, drafts)
+        meta.grammar_bitmask = meta.grammar_rows = None
+        if rows.size:
+            meta.grammar_bitmask = torch.from_numpy(bitmask.numpy()[rows]).to(self.backend.device)
+            meta.grammar_rows = torch.from_numpy(rows).to(self.backend.device)
 
     def _generators(self, so: SchedulerOutput, step: StepInputs) -> dict[int, torch.Generator]:
         """Batch row -> generator of the seeded random rows (their own streams)."""

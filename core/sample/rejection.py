@@ -4,7 +4,9 @@ A request with d drafts contributes d + 1 consecutive rows of logits ("virtual
 rows"): row j scores the token after draft j - 1 (row 0: after its last real
 token). Every row is processed exactly as the normal sampler would (logits
 processors, allowed ids, bias, penalties, then temperature, top-k, top-p,
-min-p), so the distribution each position is drawn from is the target's.
+min-p), so the distribution each position is drawn from is the target's. A
+structured-output bitmask in the metadata is applied first (virtual row j: the
+grammar's state after the drafts before j).
 
 - greedy rows accept while the draft equals the argmax; the token after the
   accepted prefix is the argmax there;
@@ -26,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from polyrunner.sample.grammar import apply_token_bitmask
 from polyrunner.sample.metadata import SamplingMetadata
 from polyrunner.sample.ops import apply_top_k_top_p, min_p_mask
 from polyrunner.sample.sampler import apply_logits_processors
@@ -70,7 +73,10 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, draft_ids: np
     draft_t = torch.from_numpy(np.maximum(draft_v, 0)).to(dev)
     has_draft = torch.from_numpy(is_draft).to(dev)
 
-    processed = apply_logits_processors(logits.float(), meta)
+    logits = logits.float()
+    if meta.grammar_bitmask is not None:   # per position: the grammar's state after the drafts before it
+        logits = apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
+    processed = apply_logits_processors(logits, meta)
     target = None
     accept = torch.zeros(len(row_of), dtype=torch.bool, device=dev)
     if not meta.all_random:
