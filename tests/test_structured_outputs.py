@@ -212,3 +212,22 @@ def test_preemption_keeps_grammar_state():
         c = out.outputs[0]
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_with_speculative_decoding():
+    """n-gram speculation on: drafts are masked per position by the grammar (a refused
+    draft is rejected), accepted drafts advance it; every output still validates."""
+    spec = LLM(max_model_len=512, max_num_seqs=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    schemas = SCHEMAS[:16]
+    prompts = [chat(spec, f"Repeat this JSON: {json.dumps({k: 1 for k in s['properties']})}. Answer with a JSON "
+                          f"object with the fields {', '.join(s['properties'])}.") for s in schemas]
+    for temperature in (0.0, 0.8):
+        params = [SamplingParams(temperature=temperature, seed=i, max_tokens=MAX_TOKENS,
+                                 structured_outputs=StructuredOutputsParams(json=s)) for i, s in enumerate(schemas)]
+        for schema, out in zip(schemas, spec.generate(prompts, params, use_tqdm=False)):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+    stats = spec.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
