@@ -14,7 +14,8 @@ Q4_0/Q4_1, 24 with Q4_K's float32 ones); Q8_0 and the scalar path run the GGUF
 blocks as they are. A step of more than `PREFILL_ROWS` rows is compute-bound
 instead: it dequantises the weight into the input's dtype and runs the dense
 matmul (oneDNN), faster there (measured on Zen 4, one thread: the r8 kernel
-wins up to ~40 rows, 2.2 ms vs 0.75 ms at 64 rows of a 3072 x 576 Q4_1 matrix).
+wins up to ~40 rows: for a 3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows,
+~1 ms vs 0.75 ms at 64).
 
 Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): the best the
 kernel library has (the portable build, `POLYRUNNER_CPU_SIMD=0`, stops at
