@@ -212,3 +212,31 @@ def test_structured_outputs_with_speculation():
     assert spec.token_ids == base.token_ids
     stats = llm.engine.speculative_stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def _naive_ngram(seq: list[int], k: int, lo: int, hi: int, limit: int) -> list[int]:
+    n_tok = len(seq)
+    for n in range(hi, lo - 1, -1):
+        if n >= n_tok:
+            continue
+        tail = seq[n_tok - n:]
+        for i in range(n_tok - n - 1, -1, -1):   # the last earlier occurrence
+            if seq[i:i + n] == tail:
+                return seq[i + n:i + n + min(k, limit)]
+    return []
+
+
+def test_ngram_proposer_matches_a_plain_loop():
+    from polyrunner.spec_decode import NgramProposer
+    rng = np.random.default_rng(0)
+    k, lo, hi, slots_n, width = 4, 2, 4, 16, 64
+    proposer = NgramProposer(k, lo, hi)
+    for _ in range(30):
+        token_ids = rng.integers(0, 4, (slots_n, width)).astype(np.int32)   # small alphabet: many matches
+        slots = rng.permutation(slots_n)[:10]
+        num_tokens = rng.integers(1, width + 1, len(slots))
+        limit = rng.integers(0, k + 1, len(slots))
+        drafts, counts = proposer.propose(token_ids, slots, num_tokens, limit)
+        for i, s in enumerate(slots.tolist()):
+            want = _naive_ngram(token_ids[s, :num_tokens[i]].tolist(), k, lo, hi, int(limit[i]))
+            assert drafts[i, :counts[i]].tolist() == want
