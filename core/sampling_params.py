@@ -47,8 +47,10 @@ class SamplingParamsError(ValueError):
         lines = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "value_error":  # our own checks: the message is complete
-                lines.append(str(err["ctx"]["error"]))
+            if err["type"] == "value_error":  # our own checks: complete, named after the field if they are not
+                text = str(err["ctx"]["error"])
+                top = str(err["loc"][0]) if err["loc"] else ""
+                lines.append(text if not top or text.startswith(top) else f"{field}: {text}")
             else:
                 got = f" (got {err['input']!r})" if "input" in err else ""
                 lines.append(f"{field or 'SamplingParams'}: {err['msg']}{got}")

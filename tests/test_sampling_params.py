@@ -13,7 +13,7 @@ VLLM_DEFAULTS = dict(
     frequency_penalty=0.0, repetition_penalty=1.0, seed=None, max_tokens=16, min_tokens=0,
     stop=[], stop_token_ids=[], ignore_eos=False, logprobs=None, prompt_logprobs=None,
     logit_bias=None, allowed_token_ids=None, bad_words=None, skip_special_tokens=True,
-    include_stop_str_in_output=False, detokenize=True, logits_processors=None,
+    include_stop_str_in_output=False, detokenize=True, logits_processors=None, structured_outputs=None,
 )
 
 
@@ -68,6 +68,10 @@ INVALID = [
     ("detokenize", "perhaps", r"detokenize: Input should be a valid boolean"),
     ("logits_processors", [lambda logits: logits], r"logits_processors\[0\] must take \(output_token_ids, logits\)"),
     ("logits_processors", [5], r"logits_processors.0: Input should be callable"),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]},
+     r"You can only use one kind of structured outputs constraint but multiple are specified"),
+    ("structured_outputs", {}, r"You must use one kind of structured outputs constraint but none are specified"),
+    ("structured_outputs", {"choice": []}, r"structured_outputs\.choice must be a non-empty list"),
 ]
 
 
@@ -178,7 +182,8 @@ def test_features_are_backend_feature_names():
 
     p = SamplingParams(top_k=2, top_p=0.5, min_p=0.1, seed=1, repetition_penalty=1.2,
                        logit_bias={1: 1}, allowed_token_ids=[1], bad_words=["x"], logprobs=1,
-                       prompt_logprobs=1, logits_processors=[lambda out, row: row])
+                       prompt_logprobs=1, logits_processors=[lambda out, row: row],
+                       structured_outputs={"regex": "a+"})
     modes = {"raw_logits", "processed_logprobs", "processed_logits"}   # the engine's logprobs_mode
     assert p.features() == set(SAMPLING_FEATURES) - modes
     assert set().union(*(p.features(mode) for mode in modes)) == set(SAMPLING_FEATURES)
