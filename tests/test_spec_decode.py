@@ -6,12 +6,17 @@ refused with the field named."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 from polyrunner import LLM, SamplingParams
+from polyrunner.backends.cpu.plugin import CPUBackend
+from polyrunner.device.buckets import BucketPolicy, exponential_sizes
+from polyrunner.plugins import hookimpl, register
+from polyrunner.plugins.manager import unregister
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -240,3 +245,45 @@ def test_ngram_proposer_matches_a_plain_loop():
         for i, s in enumerate(slots.tolist()):
             want = _naive_ngram(token_ids[s, :num_tokens[i]].tolist(), k, lo, hi, int(limit[i]))
             assert drafts[i, :counts[i]].tolist() == want
+
+
+class PaddedCPU(CPUBackend):
+    """The CPU backend padding every step to power-of-two token and request buckets
+    (as CUDA graph sizes): verification steps' token counts are padded too."""
+
+    name = "cpu-padded-spec"
+    priority = -100
+
+    def bucket_policy(self, config):
+        s = config.scheduler
+        return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), exponential_sizes(1, s.max_num_seqs))
+
+
+class StaticCPU(PaddedCPU):
+    name = "cpu-static-spec"
+    capabilities = dataclasses.replace(CPUBackend.capabilities, static_shapes=True)
+
+
+class _Plugin:
+    @hookimpl
+    def polyrunner_backends(self):
+        return [PaddedCPU, StaticCPU]
+
+
+@pytest.fixture(scope="module")
+def padded_backends():
+    register(_Plugin(), name="test-spec-decode")
+    yield
+    unregister("test-spec-decode")
+
+
+def test_padded_steps_equal_and_static_shapes_refused(tiny_model_factory, padded_backends):
+    folder, _ = tiny_model_factory("llama")
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(folder), backend="cpu", dtype="float32").generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(str(folder), backend=PaddedCPU.name, dtype="float32", speculative_config=SPEC)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want and llm.engine.speculative_stats().num_accepted_tokens > 0
+    with pytest.raises(ValueError, match="static shapes"):
+        LLM(str(folder), backend=StaticCPU.name, dtype="float32", speculative_config=SPEC)
