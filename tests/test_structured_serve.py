@@ -91,3 +91,14 @@ def test_invalid_constraints_400(client, kw, field, param):
     assert info.value.status_code == 400
     assert field in info.value.message
     assert info.value.body["param"] == param
+
+
+def test_streamed_json_schema(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a city as JSON."}], max_tokens=128,
+        temperature=0.9, seed=11, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
