@@ -26,7 +26,8 @@ speculative-decoding runner may call it directly):
   mask, then all are rolled back (`matcher.rollback`), so the state is
   unchanged. A draft token the grammar refuses leaves the masks after it all
   ones (the rejection sampler rejects that token: its probability is 0).
-  The verified tokens then go in through `accept` (or `sync`).
+  The verified tokens then go in through `accept` (or `sync`). The bitmask
+  is a reused host buffer: valid until the next call.
 
 A matcher that has accepted EOS (terminated) takes no further token and gets
 an all-ones mask (asynchronous scheduling runs one token past a stop; it is
@@ -35,6 +36,7 @@ dropped). EOS itself is allowed only where the grammar may end.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -58,7 +60,8 @@ class StructuredOutputManager:
         self.width = bitmask_width(vocab_size)
         self.matchers: dict[int, Any] = {}
         self.num_accepted = np.zeros(num_slots, np.int64)   # output tokens each matcher has taken
-        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        # xgrammar's batched fill, on up to half the host's cores (the other half runs the step)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
         self._buf = torch.full((0, self.width), -1, dtype=torch.int32)
 
     # ---- requests -------------------------------------------------------------
