@@ -28,8 +28,8 @@ class TensorParallel:
     """This rank's shard and its groups (`size` > 1)."""
 
     shard: TPShard
-    group: dist.ProcessGroup
-    cpu_group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
+    cpu_group: dist.ProcessGroup | None
     device: torch.device
 
     @property
@@ -75,9 +75,20 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
-    def destroy(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def destroy(self, synced: bool = True) -> None:
+        """Leave the group. `synced`: first wait for every rank to get here (rank 0
+        hosts the rendezvous store, which must outlive the others' use of it)."""
+        if not dist.is_initialized():
+            return
+        if synced:
+            try:
+                dist.barrier(group=self.cpu_group)
+            except Exception:   # noqa: BLE001 - a rank died: nobody to wait for
+                pass
+        dist.destroy_process_group()
+        # drop the groups now: a group object alive at interpreter exit still has its
+        # gloo threads, which abort the process when they meet a finalizing interpreter
+        self.group = self.cpu_group = None
 
 
 def init_tensor_parallel(shard: TPShard, comm_backend: str, init_method: str, device: torch.device,
