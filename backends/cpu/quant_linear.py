@@ -15,7 +15,12 @@ blocks as they are. A step of more than `PREFILL_ROWS` rows is compute-bound
 instead: it dequantises the weight into the input's dtype and runs the dense
 matmul (oneDNN), faster there (measured on Zen 4, one thread: the r8 kernel
 wins up to ~40 rows: for a 3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows,
-~1 ms vs 0.75 ms at 64).
+~1 ms vs 0.75 ms at 64). The two paths round differently (int8 activations vs
+bfloat16 weights): a prompt computed whole and the same prompt after a prefix-
+cache hit (its few remaining rows) can then flip a near-tied greedy token
+(seen: 0.35 nats apart on a 0.08-nat tie). PREFILL_ROWS is 64, not 40, so that
+chat-sized prompts and their cache hits take the same path; llama.cpp quantizes
+activations at every batch size instead, at 2-3x the prefill cost here.
 
 Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): the best the
 kernel library has (the portable build, `POLYRUNNER_CPU_SIMD=0`, stops at
@@ -36,7 +41,8 @@ from polyrunner.backends.cpu import kernels
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
-PREFILL_ROWS = 32  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
+PREFILL_ROWS = 64  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
+HEAD_PREFILL_ROWS = 16  # the LM head (Q8_0, GGUF layout: crossover ~16 rows); rows = requests, not prompt
 _declared: set[int] = set()
 _scratch = threading.local()  # per thread: one reused buffer for dequantised weights (no mmap/fault per call)
 
@@ -151,9 +157,12 @@ class QuantLinear(nn.Module):
     output in `out_dtype`, or the input's dtype when None."""
 
     def __init__(self, qtype: str, blocks: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, lib: ctypes.CDLL | None = None) -> None:
-        """`bias`: a dense layer's bias Parameter is kept as this module's (loaded later in place)."""
+                 out_dtype: torch.dtype | None = None, lib: ctypes.CDLL | None = None,
+                 dense_above: int = PREFILL_ROWS) -> None:
+        """`bias`: a dense layer's bias Parameter is kept as this module's (loaded later in place);
+        `dense_above`: steps of more rows dequantise and run the dense matmul."""
         super().__init__()
+        self.dense_above = dense_above
         if qtype not in QTYPES:
             raise ValueError(f"GGUF type {qtype!r} has no CPU kernel; allowed: {', '.join(QTYPES)}")
         self.qtype, self.out_features, self.in_features = qtype, shape[0], shape[1]
@@ -175,7 +184,7 @@ class QuantLinear(nn.Module):
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
         if x.stride(1) != 1:
             x = x.contiguous()
-        if x.shape[0] > PREFILL_ROWS:
+        if x.shape[0] > self.dense_above:
             y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib,
                                        _scratch_weight(self.out_features, self.in_features, x.dtype), self.r8))
             y = y if self.out_dtype is None else y.to(self.out_dtype)
@@ -203,10 +212,12 @@ def _scratch_weight(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:N * K].view(N, K)
 
 
-def _module(weight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None) -> QuantLinear | None:
+def _module(weight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+            dense_above: int = PREFILL_ROWS) -> QuantLinear | None:
     if weight.qtype not in QTYPES or weight.shape[1] % 32:
         return None
-    return QuantLinear(weight.qtype, torch.from_numpy(weight.blocks), weight.shape, bias, out_dtype)
+    return QuantLinear(weight.qtype, torch.from_numpy(weight.blocks), weight.shape, bias, out_dtype,
+                       dense_above=dense_above)
 
 
 def quantize_model(model: nn.Module, weights) -> int:
@@ -222,7 +233,7 @@ def quantize_model(model: nn.Module, weights) -> int:
         if new is not None:
             setattr(parent, attr, new)
             n += 1
-    head = None if weights.lm_head is None else _module(weights.lm_head, None, torch.float32)
+    head = None if weights.lm_head is None else _module(weights.lm_head, None, torch.float32, HEAD_PREFILL_ROWS)
     if head is not None:
         model.quantized_lm_head = head
         n += 1
