@@ -129,8 +129,7 @@ def test_bad_speculative_config_names_the_field(tiny_model_factory, bad, field):
         LLM(str(folder), backend="cpu", dtype="float32", speculative_config=bad)
 
 
-@pytest.mark.parametrize("kw, words", [(dict(async_scheduling=True), "async_scheduling"),
-                                       (dict(tensor_parallel_size=2), "tensor_parallel_size")])
+@pytest.mark.parametrize("kw, words", [(dict(async_scheduling=True), "async_scheduling")])
 def test_refused_combinations(tiny_model_factory, kw, words):
     folder, _ = tiny_model_factory("llama")
     with pytest.raises(ValueError, match=words):

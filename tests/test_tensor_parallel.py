@@ -80,6 +80,29 @@ def test_tp2_equals_tp1_with_chunked_prefill_and_preemption(tiny_model_factory, 
     _assert_same(got, expected)
 
 
+def test_prompt_logprobs_and_speculative_decoding_tp2_equal_tp1(tiny_model_factory):
+    """The workers verify the same draft tokens, and prompt logprobs cover the whole vocabulary."""
+    folder = tiny_model_factory("llama")[0]
+    repetitive = [{"prompt_token_ids": p} for p in ([1] + [7, 8, 9, 10, 11] * 6, [1, 5, 9, 200, 31, 7] * 4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)   # drafted (no logprobs)
+    prompt_lps = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    drafted, scored, accepted = {}, {}, {}
+    for tp in (1, 2):
+        llm = _llm(folder, tp, speculative_config=spec)
+        try:
+            drafted[tp] = [o.outputs[0].token_ids for o in llm.generate(repetitive, greedy, use_tqdm=False)]
+            accepted[tp] = llm.engine.speculative_stats().num_accepted_tokens
+            scored[tp] = llm.generate(repetitive, prompt_lps, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    assert drafted[2] == drafted[1] and accepted[2] == accepted[1] > 0
+    for g, e in zip(scored[2], scored[1]):
+        for gp, ep in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
+            assert gp.keys() == ep.keys()
+            assert all(abs(gp[t].logprob - ep[t].logprob) < 1e-4 for t in ep)
+
+
 def test_embedded_smollm2_tp2_equals_tp1():
     """SmolLM2-135M: 9 heads over 3 KV heads, padded with a zero KV head on 2 ranks."""
     pytest.importorskip("gguf")

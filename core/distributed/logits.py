@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
-
-from polyrunner.distributed.group import TensorParallel
 
 
 class GatherLogits:
@@ -15,12 +13,12 @@ class GatherLogits:
     them), so every rank samples the same tokens from the same logits. Every
     other member reads through to the wrapped executor."""
 
-    def __init__(self, inner: Any, tp: TensorParallel) -> None:
+    def __init__(self, inner: Any, gather_vocab: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.inner = inner
-        self.tp = tp
+        self.gather_vocab = gather_vocab
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def compute_logits(self, hidden: torch.Tensor, inputs: Any, num_reqs: int) -> torch.Tensor:
-        return self.tp.gather_vocab(self.inner.compute_logits(hidden, inputs, num_reqs))
+        return self.gather_vocab(self.inner.compute_logits(hidden, inputs, num_reqs))

@@ -74,13 +74,10 @@ class LLMEngine:
                     self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
 
     def _check_speculative(self) -> None:
-        """Speculative decoding runs on one device, with synchronous steps, on a backend
+        """Speculative decoding runs with synchronous steps, on a backend
         whose steps may take any token count (a ValueError names what conflicts)."""
         if self.config.speculative is None:
             return
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet; "
-                             "allowed with speculative decoding: tensor_parallel_size=1")
         if self.config.scheduler.async_scheduling:
             raise ValueError("async_scheduling=True cannot be combined with speculative_config (the next "
                              "step's drafts depend on this step's accepted tokens); allowed with "

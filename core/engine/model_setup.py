@@ -18,7 +18,6 @@ import torch
 
 from polyrunner.config import EngineConfig
 from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
-from polyrunner.distributed.logits import GatherLogits
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.gguf.quantized import quantizer, select_quantization
@@ -83,9 +82,8 @@ def load_runner(config: EngineConfig, backend, tp: TensorParallel | None = None)
                        **parallel)
     runner_arch = arch if tp is None else dataclasses.replace(
         arch, num_heads=tp.shard.num_heads, num_kv_heads=tp.shard.num_kv_heads)
-    runner = ModelRunner(config, backend, model, runner_arch, limit, dtype)
-    if tp is not None:
-        runner.executor = GatherLogits(runner.executor, tp)
+    runner = ModelRunner(config, backend, model, runner_arch, limit, dtype,
+                         gather_vocab=None if tp is None else tp.gather_vocab)
     num_blocks = runner.initialize_kv_cache(agree=None if tp is None else tp.agree_min)
     return LoadedModel(folder, hf_config, arch, limit, dtype, quantization, runner, num_blocks)
 

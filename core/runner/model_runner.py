@@ -32,6 +32,7 @@ from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Backend, ModelInputs
 from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.distributed.logits import GatherLogits
 from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.models.arch import DecoderArch
 from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
@@ -46,7 +47,11 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Backend, model: torch.nn.Module,
-                 arch: DecoderArch, max_model_len: int, dtype: torch.dtype) -> None:
+                 arch: DecoderArch, max_model_len: int, dtype: torch.dtype,
+                 gather_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`arch`: this rank's heads (tensor parallelism) and the whole vocabulary;
+        `gather_vocab`: joins the ranks' vocabulary ranges of a logits tensor (a
+        tensor-parallel rank; None: the model's logits are whole)."""
         self.config = config
         self.backend = backend
         self.model = model
@@ -56,6 +61,9 @@ class ModelRunner:
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
         self.buckets = backend.bucket_policy(config)
         self.executor = backend.make_executor(model, config)
+        self.gather_vocab = gather_vocab
+        if gather_vocab is not None:
+            self.executor = GatherLogits(self.executor, gather_vocab)
         self.kv_spec = KVCacheSpec(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -390,6 +398,8 @@ class ModelRunner:
             if last > first:
                 start = int(step.query_start_loc[row]) + first - computed
                 logits = self.model.compute_logits(hidden[start:start + last - first])
+                if self.gather_vocab is not None:
+                    logits = self.gather_vocab(logits)
                 targets = torch.from_numpy(states.token_ids[slot, first + 1:last + 1].astype(np.int64))
                 k = states.sampling.params[slot].prompt_logprobs
                 lists = compute_prompt_logprobs(logits, targets.to(logits.device), k).tolists()
