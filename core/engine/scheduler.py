@@ -247,18 +247,22 @@ class Scheduler:
         tokens among each row's count (None: no drafts this step)."""
         bs = self.kv.block_size
         a = self.slots
+        use_drafts = self.num_speculative_tokens > 0
         while self.running:
             slots = self._slots_of_running()
             nc = a.num_computed[slots]
             want = a.num_tokens[slots] - nc
+            ended = None
             if self.num_in_flight:   # a request whose token in flight ends it by length runs no more
-                want[a.num_tokens[slots] >= a.length_limit[slots]] = 0
+                ended = a.num_tokens[slots] >= a.length_limit[slots]
+                want[ended] = 0
             total = int(want.sum())
-            drafts = a.num_drafts[slots] if self.num_speculative_tokens else None
+            drafts = a.num_drafts[slots] if use_drafts else None
             if drafts is not None and not drafts.any():
                 drafts = None
             held = a.num_blocks[slots]   # cdiv(num_computed, block_size), or more after a rollback
-            if drafts is None and total == len(slots) and total <= budget:   # all decodes: one token each
+            if (drafts is None and total == len(slots) and total <= budget
+                    and (ended is None or not ended.any())):   # all decodes: one token each
                 take, need = want, None
                 grow = np.flatnonzero(nc // bs >= held)   # ... whose position starts a block
                 num_needed = len(grow)
@@ -273,6 +277,9 @@ class Scheduler:
                 num_needed = int(need[grow].sum())
             if num_needed <= self.kv.pool.num_free_blocks:
                 break
+            if drafts is not None:   # drop the drafts before preempting anybody for them
+                use_drafts = False
+                continue
             self._preempt(self._victim(), out)
         else:
             return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0, None
