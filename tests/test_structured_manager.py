@@ -214,3 +214,19 @@ def test_sampling_state_masks_only_grammar_rows(compiler):
     state.clear_row(2)
     state.clear_row(3)
     assert state.make_metadata(np.array([0]), token_ids, n, n).grammar_bitmask is None
+
+
+def test_terminated_grammar_allows_only_eos(compiler):
+    m = StructuredOutputManager(2, MODEL_VOCAB)
+    m.add(0, compiled(compiler, regex="ab"))
+    ids = {s: compiler.info.decoded_vocab.index(s.encode()) for s in "abx"}
+    bitmask, rows = m.fill_bitmask(np.array([0]), [[ids["a"], ids["b"], EOS, ids["x"]]])
+    assert rows.tolist() == [0, 1, 2, 3]
+    allowed = [allowed_ids(bitmask[j]).tolist() for j in range(4)]
+    assert ids["a"] in allowed[0] and ids["x"] not in allowed[0]   # (a merged "ab" token too)
+    assert allowed[1:] == [[ids["b"]], [EOS], [EOS]]
+    assert (bitmask[4] == -1).all() and m.num_accepted[0] == 0
+    assert m.accept(0, [ids["a"], ids["b"], EOS])
+    bitmask, rows = m.fill_bitmask(np.array([1, 0]))
+    assert rows.tolist() == [1] and allowed_ids(bitmask[1]).tolist() == [EOS]
+    assert m.accept(0, [EOS, EOS])   # ignore_eos: EOS tokens after the end are taken and ignored

@@ -231,3 +231,12 @@ def test_with_speculative_decoding():
             jsonschema.validate(json.loads(c.text), schema)
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_ignore_eos_keeps_the_output_valid(llm):
+    """With ignore_eos the request runs to max_tokens, but past the grammar's end only
+    EOS is allowed: the text is still a valid choice."""
+    p = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True,
+                       structured_outputs=StructuredOutputsParams(choice=["red", "green"]))
+    c = llm.generate([chat(llm, "A colour?")], p, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 8 and c.text in ("red", "green")

@@ -29,9 +29,11 @@ speculative-decoding runner may call it directly):
   The verified tokens then go in through `accept` (or `sync`). The bitmask
   is a reused host buffer: valid until the next call.
 
-A matcher that has accepted EOS (terminated) takes no further token and gets
-an all-ones mask (asynchronous scheduling runs one token past a stop; it is
-dropped). EOS itself is allowed only where the grammar may end.
+A matcher that has accepted EOS (terminated) takes no further token and its
+masks allow EOS only: the output stays what the grammar accepted (with
+ignore_eos the request runs on to its length on EOS tokens, which the text
+leaves out; asynchronous scheduling's one token past a stop is dropped
+anyway). EOS itself is allowed only where the grammar may end.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class StructuredOutputManager:
         # xgrammar's batched fill, on up to half the host's cores (the other half runs the step)
         self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
         self._buf = torch.full((0, self.width), -1, dtype=torch.int32)
+        self._stop_rows: dict[tuple[int, ...], torch.Tensor] = {}
 
     # ---- requests -------------------------------------------------------------
     def add(self, slot: int, params: StructuredOutputsParams) -> None:
@@ -133,6 +136,17 @@ class StructuredOutputManager:
         buf.fill_(-1)
         return buf
 
+    def _stop_only(self, matcher: Any) -> torch.Tensor:
+        """The mask row allowing only the matcher's stop tokens (EOS), cached."""
+        stops = tuple(sorted(matcher.stop_token_ids))
+        row = self._stop_rows.get(stops)
+        if row is None:
+            ids = np.array(stops, np.int64)
+            words = np.zeros(self.width, np.uint32)
+            np.bitwise_or.at(words, ids // 32, (np.uint32(1) << (ids % 32).astype(np.uint32)))
+            row = self._stop_rows[stops] = torch.from_numpy(words.view(np.int32))
+        return row
+
     def fill_bitmask(self, slots: np.ndarray, draft_tokens_per_row: list[list[int]] | None = None
                      ) -> tuple[torch.Tensor, np.ndarray]:
         """(bitmask [N, W] int32 on the host, mask rows that have a grammar); see the module doc."""
@@ -141,11 +155,15 @@ class StructuredOutputManager:
         if draft_tokens_per_row is None:
             bitmask = self._buffer(len(slots))
             rows = np.flatnonzero(grammar)
-            live = [r for r in rows.tolist() if not self.matchers[int(slots[r])].is_terminated()]
+            live, done = [], []
+            for r in rows.tolist():
+                (done if self.matchers[int(slots[r])].is_terminated() else live).append(r)
             if live:
                 self._batch.batch_fill_next_token_bitmask(
                     [self.matchers[int(slots[r])] for r in live], bitmask, live)
-            return bitmask, np.asarray(live, np.int64)
+            for r in done:
+                bitmask[r] = self._stop_only(self.matchers[int(slots[r])])
+            return bitmask, rows
         if len(draft_tokens_per_row) != len(slots):
             raise ValueError(f"draft_tokens_per_row must have one list per slot ({len(slots)}), "
                              f"got {len(draft_tokens_per_row)}")
@@ -157,10 +175,11 @@ class StructuredOutputManager:
             m = self.matchers[int(slots[i])]
             taken = 0
             for j, token in enumerate([*draft_tokens_per_row[i], None]):
-                if m.is_terminated():
-                    break
-                m.fill_next_token_bitmask(bitmask, int(starts[i]) + j)
                 rows.append(int(starts[i]) + j)
+                if m.is_terminated():
+                    bitmask[rows[-1]] = self._stop_only(m)
+                    break
+                m.fill_next_token_bitmask(bitmask, rows[-1])
                 if token is None or not m.accept_token(int(token)):
                     break
                 taken += 1
