@@ -159,6 +159,7 @@ class ConformanceContext:
                                                                    s.max_num_batched_tokens),
                                       async_scheduling=o.pop("async_scheduling", None)),
             parallel=ParallelConfig(tensor_parallel_size=o.pop("tensor_parallel_size", 1)),
+            speculative=o.pop("speculative", None),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
         if adjust is not None:
             from polyrunner.plugins import get_plugin_manager

@@ -1,7 +1,8 @@
 """End to end, on the tiny random Llama: greedy tokens equal the CPU reference
 backend's, token for token; seeded sampling is reproducible (across runs and
 batch compositions); preemption and chunked prefill change no token;
-asynchronous scheduling changes no token."""
+asynchronous scheduling changes no token; speculative decoding
+(`speculative.py`) and structured outputs (`structured_outputs.py`) too."""
 
 from __future__ import annotations
 
@@ -118,3 +119,4 @@ def check_async_scheduling_same_tokens(ctx) -> str:
 
 
 from polyrunner.tools.conformance import structured_outputs  # noqa: E402,F401  (registers its end_to_end check)
+from polyrunner.tools.conformance import speculative  # noqa: E402,F401  (registers its end_to_end check)

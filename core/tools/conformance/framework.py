@@ -11,6 +11,7 @@ the report can say which capability excused it. Requirements:
     "sampling:<feature>"                               feature in capabilities.sampling
     "dtype:<name>"                                     torch.<name> in capabilities.dtypes
     "devices:<n>"                                      Backend.device_count() >= n on this host
+    "!static_shapes"                                   a falsy capability flag (the feature is refused there)
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ def unmet_requirements(caps: "Capabilities", requires: Iterable[str],
             if getattr(torch, name) not in caps.dtypes:
                 unmet.append(f"capabilities.dtypes lacks {name}")
         else:
-            if not hasattr(caps, req):
+            name, want = (req[1:], False) if req.startswith("!") else (req, True)
+            if not hasattr(caps, name):
                 raise ValueError(f"unknown capability requirement {req!r}")
-            if not getattr(caps, req):
-                unmet.append(f"capabilities.{req}={getattr(caps, req)!r}")
+            if bool(getattr(caps, name)) != want:
+                unmet.append(f"capabilities.{name}={getattr(caps, name)!r}")
     return unmet
 
 
