@@ -119,7 +119,8 @@ class PackedLinear(nn.Module):
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        if self.small is not None and x.shape[0] <= kernels.AMX_MAX_M and x.dtype == torch.bfloat16:
+        limit = kernels.AMX_MAX_M if self.small == "amx" else kernels.DPBF16_MAX_M
+        if self.small is not None and x.shape[0] <= limit and x.dtype == torch.bfloat16:
             small = kernels.amx_linear_bf16 if self.small == "amx" else kernels.dpbf16_linear_bf16
             y = small(x, self.small_packed, self.out_features)
             if y is not None:
@@ -249,7 +250,9 @@ class CPUExecutor(GraphExecutor):
         auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
         self.governor = ThreadGovernor(self.threads) if auto else None
         # the decode kernels' work-sharing pool: helpers on one CPU per physical core
-        kernels.start_pool(self.threads, threads.physical_cpus() if auto else None, threads.spin_us())
+        self.spin_us = threads.spin_us()
+        kernels.start_pool(self.threads, threads.physical_cpus() if auto else None, self.spin_us)
+        self._spinning = True
         self._sampler = Sampler(argmax=kernels.argmax_f32)
         small = os.environ.get("POLYRUNNER_CPU_SMALL_STEP_THREADS")
         self.small_threads = max(1, min(self.threads, int(small))) if small else None
@@ -277,6 +280,12 @@ class CPUExecutor(GraphExecutor):
             torch.set_num_threads(n)
             kernels.set_pool_threads(n)
             self._current_threads = n
+        # helpers spin between the small calls of decode-sized steps; in larger steps
+        # oneDNN's OpenMP team needs every core, and a spinning helper would hold one
+        spin = num_tokens <= kernels.DPBF16_MAX_M
+        if spin != self._spinning:
+            kernels.set_pool_spin(self.spin_us if spin else 0)
+            self._spinning = spin
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         self._set_threads(inputs.input_ids.shape[0])

@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_pool_helpers.restype = ctypes.c_int
     lib.pr_pool_set_active.restype = ctypes.c_int
     lib.pr_pool_set_active.argtypes = [ctypes.c_int]
+    lib.pr_pool_set_spin.restype = None
+    lib.pr_pool_set_spin.argtypes = [ctypes.c_int]
     lib.pr_argmax_f32.restype = None
     lib.pr_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr]
     lib.pr_dpbf16_available.restype = ctypes.c_int
@@ -240,6 +242,9 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
+# rows PackedLinear gives the AVX512_BF16 kernel; oneDNN above (measured: 64-row decode steps ran
+# ~25% slower through it than through oneDNN on 2 Zen 4 cores)
+DPBF16_MAX_M = int(os.environ.get("POLYRUNNER_CPU_DPBF16_MAX_M", "32"))
 _amx: bool | None = None
 _dpbf16: bool | None = None
 
@@ -323,6 +328,13 @@ def set_pool_threads(threads: int) -> int:
     calls (clamped to the pool's size); the rest sleep. Returns the number set."""
     lib = paged_attention_kernel()
     return 1 if lib is None else lib.pr_pool_set_active(threads)
+
+
+def set_pool_spin(spin_us: int) -> None:
+    """How long idle pool helpers spin after a job before sleeping (0: at once)."""
+    lib = paged_attention_kernel()
+    if lib is not None:
+        lib.pr_pool_set_spin(spin_us)
 
 
 def dpbf16_available() -> bool:

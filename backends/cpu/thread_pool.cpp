@@ -215,5 +215,9 @@ int pr_pool_set_active(int threads) {
   return n;
 }
 
+// How long idle helpers spin after a job before sleeping (0: sleep at once), from
+// the next job on: a spinning helper holds a core the caller's OpenMP team may need.
+void pr_pool_set_spin(int spin_us) { pr::pool().spin_ns.store(int64_t(std::max(0, spin_us)) * 1000); }
+
 int pr_pool_helpers() { return pr::pool_helpers(); }
 }
