@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _workloads():
-    spec = importlib.util.spec_from_file_location("_pr_workloads", ROOT / "core" / "bench" / "workloads.py")
+    spec = importlib.util.spec_from_file_location("_pr_workloads", ROOT / "core" / "tools" / "bench" / "workloads.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["_pr_workloads"] = mod
     spec.loader.exec_module(mod)
