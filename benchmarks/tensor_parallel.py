@@ -45,7 +45,9 @@ class AllReduceTimer:
 
 def run(tp: int, workload: str) -> dict:
     wl = make_workload(workload)
-    llm = LLM(None, backend="cpu", tensor_parallel_size=tp, enable_prefix_caching=False, max_num_seqs=64)
+    # bfloat16 on both sizes (the GGUF dequantised): quantized execution has no tensor-parallel form yet
+    llm = LLM(None, backend="cpu", dtype="bfloat16", tensor_parallel_size=tp, enable_prefix_caching=False,
+              max_num_seqs=64)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=wl.max_tokens, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in wl.prompts]
