@@ -42,6 +42,7 @@ SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one
            Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
            Path(__file__).with_name("argmax.cpp")]
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
+HEADERS = [Path(__file__).with_name("thread_pool.h")]   # included by the sources (part of the build key)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -70,7 +71,7 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(src + " ".join(flags).encode() + version.encode() + _cpu_signature().encode())
     target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"

@@ -28,11 +28,7 @@
 #define PR_DPBF16 1
 #endif
 
-namespace pr {  // thread_pool.cpp
-using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
-void parallel_for(int64_t n, ChunkFn fn, void* ctx);
-int pool_helpers();
-}  // namespace pr
+#include "thread_pool.h"
 
 #ifdef PR_DPBF16
 namespace {

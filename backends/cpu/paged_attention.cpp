@@ -34,11 +34,7 @@
 #define PR_BF16_DOT 1
 #endif
 
-namespace pr {  // thread_pool.cpp
-using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
-void parallel_for(int64_t n, ChunkFn fn, void* ctx);
-int pool_helpers();
-}  // namespace pr
+#include "thread_pool.h"
 
 namespace {
 

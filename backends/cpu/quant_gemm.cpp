@@ -47,11 +47,7 @@
 #define PRQ_AVXVNNI 1
 #endif
 
-namespace pr {  // thread_pool.cpp
-using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
-void parallel_for(int64_t n, ChunkFn fn, void* ctx);
-int pool_helpers();
-}  // namespace pr
+#include "thread_pool.h"
 
 namespace {
 

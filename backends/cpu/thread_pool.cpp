@@ -29,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include "thread_pool.h"   // ChunkFn, parallel_for, pool_helpers
+
 #ifdef __linux__
 #include <linux/futex.h>
 #include <pthread.h>
@@ -44,7 +46,6 @@
 #endif
 
 namespace pr {
-using ChunkFn = void (*)(void* ctx, int64_t chunk, int worker);
 
 namespace {
 struct Job {
