@@ -17,24 +17,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from shared_workloads import workloads
 
-
-def _workloads():
-    spec = importlib.util.spec_from_file_location("_pr_workloads", ROOT / "core" / "tools" / "bench" / "workloads.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_pr_workloads"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class Slots:
@@ -98,7 +88,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    wl = _workloads()
+    wl = workloads()
     for name in args.workload:
         w = wl.make_workload(name)
         n_ctx = len(w.prompts) * (max(len(q) for q in w.prompts) + w.max_tokens + 16)

@@ -10,23 +10,13 @@ exactly the same requests.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from shared_workloads import workloads
 
-
-def _workloads():
-    spec = importlib.util.spec_from_file_location("_pr_workloads", ROOT / "core" / "tools" / "bench" / "workloads.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_pr_workloads"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -43,7 +33,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams
 
-    wl = _workloads()
+    wl = workloads()
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
               max_model_len=2048, max_num_seqs=64, enable_prefix_caching=False)
