@@ -87,33 +87,11 @@ def ensure_installed() -> str:
 
 def write_llama(folder: Path, *, vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, max_pos=2048,
                 seed=0, std=0.08, dtype="float32") -> Path:
-    """A random Llama checkpoint (config.json + safetensors)."""
-    import torch
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, hidden_size=hidden,
-               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, max_position_embeddings=max_pos, rms_norm_eps=1e-5,
-               rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, torch_dtype=dtype)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    dt = getattr(torch, dtype)
-    rnd = lambda *s: (torch.randn(*s, generator=g) * std).to(dt)  # noqa: E731
-    hd = hidden // heads
-    w = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=dt),
-         "lm_head.weight": rnd(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
-              p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
-              p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
-              p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
-              p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-              p + "mlp.down_proj.weight": rnd(hidden, inter),
-              p + "input_layernorm.weight": torch.ones(hidden, dtype=dt),
-              p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dt)}
-    save_file(w, str(folder / "model.safetensors"))
-    return folder
+    """A random Llama checkpoint (config.json + safetensors): the conformance suite's writer."""
+    from polyrunner.tools.conformance.tiny_llama import write_tiny_llama
+    return write_tiny_llama(folder, seed=seed, std=std, dtype=dtype, vocab_size=vocab, hidden_size=hidden,
+                            intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, max_position_embeddings=max_pos)
 
 
 def free() -> None:

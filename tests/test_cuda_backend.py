@@ -9,14 +9,12 @@ Tests marked `needs_cuda` run the same checks with real CUDA graphs.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
@@ -28,39 +26,16 @@ from polyrunner.backends.cuda.plugin import CUDABackend
 from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
+from polyrunner.tools.conformance.tiny_llama import write_tiny_llama as conformance_tiny_llama
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
 
 # ---- helpers -----------------------------------------------------------------
-def write_tiny_llama(folder, *, vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2,
-                     max_pos=512, seed=0, std=0.08):
-    """A random Llama checkpoint (config.json + safetensors), no transformers needed."""
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,
-               hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g) * std  # noqa: E731
-    hd = hidden // heads
-    w = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-         "lm_head.weight": rnd(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
-              p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
-              p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
-              p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
-              p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
-              p + "mlp.down_proj.weight": rnd(hidden, inter),
-              p + "input_layernorm.weight": torch.ones(hidden),
-              p + "post_attention_layernorm.weight": torch.ones(hidden)}
-    save_file(w, str(folder / "model.safetensors"))
-    return folder
+def write_tiny_llama(folder):
+    """The conformance suite's random Llama, 512 tokens of vocabulary and context."""
+    return conformance_tiny_llama(folder, vocab_size=512, max_position_embeddings=512)
 
 
 def make_batch(reqs, *, block_size, num_blocks, max_blocks, T_pad=None, R_pad=None, seed=0, device="cpu"):

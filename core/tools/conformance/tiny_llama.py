@@ -23,11 +23,12 @@ TINY_LLAMA = dict(
 )
 
 
-def write_tiny_llama(folder: str | Path, seed: int = 0, std: float = 0.08, **overrides) -> Path:
-    """Write a random Llama (float32) to `folder`; `overrides` change config keys."""
+def write_tiny_llama(folder: str | Path, seed: int = 0, std: float = 0.08, dtype: str = "float32",
+                     **overrides) -> Path:
+    """Write a random Llama to `folder` (weights in `dtype`); `overrides` change config keys."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(TINY_LLAMA, **overrides)
+    cfg = dict(TINY_LLAMA, **overrides, torch_dtype=dtype)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or H // heads
@@ -55,7 +56,8 @@ def write_tiny_llama(folder: str | Path, seed: int = 0, std: float = 0.08, **ove
         })
     if not cfg["tie_word_embeddings"]:
         tensors["lm_head.weight"] = rand(V, H)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+    save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
+              str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
