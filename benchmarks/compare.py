@@ -55,36 +55,36 @@ WORKLOADS = ["w1", "w2", "w3"]
 
 
 # ---- environments -----------------------------------------------------------------
-def ensure_vllm_venv() -> Path:
-    """The vLLM CPU venv's python, creating the venv on first use."""
-    python = VLLM_VENV / "bin" / "python"
-    marker = VLLM_VENV / ".polyrunner-ready"
+def ensure_venv(venv: Path, packages: list[str], what: str, niced: bool = False,
+                after: list[str] | None = None) -> Path:
+    """`venv`'s python, creating the venv with `packages` on first use (`after`: a
+    command its pip runs next, e.g. an uninstall); a marker file says it is ready."""
+    python = venv / "bin" / "python"
+    marker = venv / ".polyrunner-ready"
     if marker.is_file():
         return python
-    print(f"[compare] creating the vLLM venv at {VLLM_VENV} (large download, once)", flush=True)
-    VLLM_VENV.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *VLLM_PACKAGES], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio",
-                    "torchcodec"], check=False)
-    marker.write_text(" ".join(VLLM_PACKAGES) + "\n")
+    print(f"[compare] creating {venv}: {what} (once)", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [*(["nice", "-n", "19"] if niced else []), str(python), "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", *packages], check=True,
+                   env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1"))
+    if after:
+        subprocess.run([*pip, *after], check=False)
+    marker.write_text(" ".join(packages) + "\n")
     return python
+
+
+def ensure_vllm_venv() -> Path:
+    """The vLLM CPU venv's python (torchvision, torchaudio and torchcodec removed)."""
+    return ensure_venv(VLLM_VENV, VLLM_PACKAGES, "vLLM CPU, a large download",
+                       after=["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
 
 
 def ensure_llama_cpp_venv() -> Path:
-    """The llama.cpp venv's python, building llama-cpp-python from source on first use."""
-    python = LLAMA_CPP_VENV / "bin" / "python"
-    marker = LLAMA_CPP_VENV / ".polyrunner-ready"
-    if marker.is_file():
-        return python
-    print(f"[compare] building llama-cpp-python in {LLAMA_CPP_VENV} (g++, ~15 min, once)", flush=True)
-    LLAMA_CPP_VENV.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(LLAMA_CPP_VENV)], check=True)
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1")
-    subprocess.run(["nice", "-n", "19", str(python), "-m", "pip", "install", "-q", *LLAMA_CPP_PACKAGES],
-                   check=True, env=env)
-    marker.write_text(" ".join(LLAMA_CPP_PACKAGES) + "\n")
-    return python
+    """The llama.cpp venv's python: llama-cpp-python built from source (g++, ~15 min, niced)."""
+    return ensure_venv(LLAMA_CPP_VENV, LLAMA_CPP_PACKAGES, "llama-cpp-python built from source, ~15 min",
+                       niced=True)
 
 
 def cpu_flags() -> str:
