@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from block_tables import random_block_tables
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu import kernels
@@ -75,13 +76,7 @@ def _decode_batch(rng, ctx: list[int], block_size: int, num_blocks: int, pad_req
     """One query per request over random, non-overlapping block tables (then padded requests)."""
     R = len(ctx)
     max_blocks = max(-(-L // block_size) for L in ctx)
-    free = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((R + pad_reqs, max_blocks), np.int32)
-    used = 0
-    for r, L in enumerate(ctx):
-        nb = -(-L // block_size)
-        tables[r, :nb] = free[used:used + nb]
-        used += nb
+    tables = random_block_tables(rng, ctx, block_size, num_blocks, R + pad_reqs, max_blocks)
     qsl = np.concatenate([np.arange(R + 1), np.full(pad_reqs, R)]).astype(np.int32)
     seq_lens = np.concatenate([ctx, np.zeros(pad_reqs)]).astype(np.int32)
     pos = np.asarray(ctx, np.int64) - 1

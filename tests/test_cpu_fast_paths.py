@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from block_tables import random_block_tables
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu import kernels
@@ -28,13 +29,7 @@ def _batch(rng, *, num_decodes, num_prefills, block_size, num_blocks, max_blocks
         qlens.append(n)
         ctx.append(prior + n)
     R, T = len(qlens), sum(qlens)
-    free = rng.permutation(np.arange(1, num_blocks))  # block 0 is the null block
-    tables = np.zeros((R + pad_reqs, max_blocks), np.int32)
-    used = 0
-    for r, L in enumerate(ctx):
-        nb = -(-L // block_size)
-        tables[r, :nb] = free[used:used + nb]
-        used += nb
+    tables = random_block_tables(rng, ctx, block_size, num_blocks, R + pad_reqs, max_blocks)
     qsl = np.full(R + pad_reqs + 1, T, np.int32)
     qsl[0] = 0
     qsl[1:R + 1] = np.cumsum(qlens)
