@@ -300,3 +300,27 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, I):
                                            num_key_value_heads=2, max_position_embeddings=64))
     mlp = DecoderMLP(arch).to(torch.bfloat16)
     torch.testing.assert_close(FusedMLP(mlp)(x), mlp(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])   # packed bfloat16 linears; the GGUF file quantized
+def test_steps_the_pool_runs_whole_give_torch_one_thread(monkeypatch, dtype):
+    """A decode step whose every linear (LM head included) runs on the pool's
+    small-M kernels sets torch to one thread (OpenMP's team stays asleep instead
+    of spinning on the pool's cores); a prefill step gets the full count back."""
+    from polyrunner import LLM, SamplingParams
+    from polyrunner.backends.cpu.executor import pool_rows, replaceable
+    llm = LLM(backend="cpu", dtype=dtype, max_model_len=256, max_num_seqs=4, kv_cache_memory_bytes=32 << 20)
+    ex = llm.engine.runner.executor
+    linears = [getattr(parent, name) for parent, name, _ in replaceable(ex.model, "linear")]
+    assert ex.pool_rows == min(pool_rows(m) for m in linears + [ex.packed_logits])
+    if kernels.paged_attention_kernel() is not None and (dtype == "auto" or kernels.dpbf16_available()
+                                                        or kernels.amx_available()):
+        assert ex.pool_rows > 0
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    ex._current_threads = None
+    prompt = {"prompt_token_ids": list(range(3, 3 + 100))}   # more rows than any pool kernel takes
+    llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert seen[0] == ex.governor.current if ex.governor is not None else ex.threads
+    assert (seen[-1] == 1) == (ex.pool_rows > 0) or seen[0] == 1

@@ -24,6 +24,11 @@
   slice; the decode kernels (small-M linears, decode attention, greedy argmax)
   therefore run on a work-sharing pool (`thread_pool.cpp`) that never waits for a
   thread that has not started; it takes part with the same count as OpenMP.
+  A step small enough that every linear runs on the pool (`pool_step_rows`)
+  gives torch one thread: a torch op there (the logits' `.float()`, say) would
+  otherwise wake OpenMP's team, whose workers then spin on the cores the pool's
+  helpers need (measured: single-stream bfloat16 decode 13.9 -> 10 ms/token on 2
+  Zen 4 cores).
 - No graphs: steps here are bound by memory bandwidth (weights + KV) and by
   oneDNN's small-M matmul rate; eager dispatch is a small part of a step (see
   benchmarks/README.md).
@@ -38,7 +43,7 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels, threads
-from polyrunner.backends.cpu.quant_linear import quantized_lm_head
+from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
 from polyrunner.plugin_api import GraphExecutor, ModelInputs, Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
@@ -144,6 +149,23 @@ def replaceable(model: nn.Module, role: str) -> list[tuple[nn.Module, str, nn.Mo
     if hook is None:
         return []
     return [(parent, name, module) for r, parent, name, module in hook() if r == role]
+
+
+def pool_rows(module: nn.Module) -> int:
+    """The most rows `module` (a linear) runs on the pool's kernels; 0 for one that never does."""
+    if isinstance(module, PackedLinear) and module.small is not None:
+        return kernels.AMX_MAX_M if module.small == "amx" else kernels.DPBF16_MAX_M
+    if isinstance(module, QuantLinear):
+        return module.dense_above
+    return 0
+
+
+def pool_step_rows(model: nn.Module, logits: nn.Module | None) -> int:
+    """The largest step (tokens) whose every linear, the LM head `logits` included,
+    runs on the pool's small-M kernels; 0 when some linear never does (then
+    torch/oneDNN's OpenMP team computes it and keeps its threads)."""
+    linears = [getattr(parent, name) for parent, name, _ in replaceable(model, "linear")]
+    return min(pool_rows(m) for m in linears + [logits]) if linears else 0
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
@@ -269,6 +291,7 @@ class CPUExecutor(GraphExecutor):
             logger.debug("packed %d linear layers for oneDNN", n)
         if dtype == torch.bfloat16 and os.environ.get("POLYRUNNER_CPU_FUSE", "1") != "0":
             fuse_elementwise(model)
+        self.pool_rows = pool_step_rows(model, self.packed_logits)
 
     # ---- threads ---------------------------------------------------------------
     def _set_threads(self, num_tokens: int) -> None:
@@ -276,13 +299,15 @@ class CPUExecutor(GraphExecutor):
             n = self.small_threads
         else:
             n = self.governor.threads() if self.governor is not None else self.threads
-        if n != self._current_threads:
-            torch.set_num_threads(n)
+        # steps the pool computes whole: torch gets one thread (OpenMP's team stays asleep)
+        pool_step = num_tokens <= self.pool_rows
+        if (n, pool_step) != self._current_threads:
+            torch.set_num_threads(1 if pool_step else n)
             kernels.set_pool_threads(n)
-            self._current_threads = n
+            self._current_threads = n, pool_step
         # helpers spin between the small calls of decode-sized steps; in larger steps
         # oneDNN's OpenMP team needs every core, and a spinning helper would hold one
-        spin = num_tokens <= kernels.DPBF16_MAX_M
+        spin = num_tokens <= max(self.pool_rows, kernels.DPBF16_MAX_M)
         if spin != self._spinning:
             kernels.set_pool_spin(self.spin_us if spin else 0)
             self._spinning = spin
