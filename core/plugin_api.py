@@ -23,7 +23,7 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   static-shape op `static_shape_paged_attention` (its per-token block tables
   under `TOKEN_BLOCK_TABLES`);
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
-  `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`,
+  `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `GraphBucketPolicy`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
 - sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
   rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
@@ -53,6 +53,7 @@ from polyrunner.device.backend import (
 from polyrunner.device.buckets import BucketPolicy, capture_sizes, exponential_sizes, gap_incremental_sizes
 from polyrunner.device.graphs import (
     GraphAPI,
+    GraphBucketPolicy,
     StaticGraphExecutor,
     TorchGraphAPI,
     async_to_host,
@@ -84,7 +85,7 @@ __all__ = [
     "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
     "HostFuture", "EngineConfig", "StepInputs",
     # padding buckets
-    "BucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
+    "BucketPolicy", "GraphBucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache
     "KVCacheSpec",
     # attention

@@ -24,7 +24,8 @@ def test_cli_cpu_backend_passes(tmp_path, capsys):
         assert f"[{group}]" in out
     assert "PASSED:" in out
     assert "skipped (excused by declared capabilities):" in out
-    assert "execution::no_new_graphs_after_warmup: capabilities.counts_graphs=False" in out
+    assert "end_to_end::async_scheduling_same_tokens: capabilities.async_scheduling=False" in out
+    assert "no_new_graphs_after_warmup   PASS" in out     # the CPU backend counts its graphs
     data = json.loads(report_file.read_text())
     assert data["passed"] and data["backend"] == "cpu"
     assert {r["group"] for r in data["results"]} == set(GROUPS)
@@ -71,8 +72,8 @@ def test_pytest_plugin_front_end(tmp_path):
 def test_pytest_plugin_reports_capability_skips(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "polyrunner.tools.conformance.pytest_plugin", "--pyargs",
-         "polyrunner.tools.conformance", "--backend", "cpu", "--conformance-group", "execution",
-         "--conformance-threads", "1", "-q", "-p", "no:cacheprovider", "-rs"],
+         "polyrunner.tools.conformance", "--backend", "cpu", "--conformance-group", "end_to_end",
+         "-k", "async_scheduling", "--conformance-threads", "1", "-q", "-p", "no:cacheprovider", "-rs"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "excused: capabilities.counts_graphs=False" in proc.stdout
+    assert "excused: capabilities.async_scheduling=False" in proc.stdout

@@ -181,11 +181,10 @@ def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
 
 @needs_packing
 def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory, cpu_kernels):
-    from types import SimpleNamespace
     from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP, FusedRMSNorm, FusedRotary
     folder, _ = tiny_model_factory("qwen3")
     model, arch = _tiny_model(folder, cpu_paged_attention, torch.bfloat16)
-    CPUExecutor(model, SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8)))
+    CPUExecutor(model, executor_config())
     want = {"linear": PackedLinear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
     for role, parent, name, module in model.replaceable_modules():
         assert type(module) is want[role], (role, name)
@@ -201,6 +200,13 @@ def test_thread_governor_stays_in_range():
     for _ in range(5):
         assert 1 <= gov.threads() <= 2
     assert ThreadGovernor(1).threads() == 1
+
+
+def executor_config():
+    """What `CPUExecutor` reads of an engine config (eager: these tests call `run` directly)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8),
+                           runner=SimpleNamespace(enforce_eager=True), parallel=SimpleNamespace(tensor_parallel_size=1))
 
 
 def _tiny_model(folder, attn_op, dtype):
@@ -232,7 +238,6 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
     """The whole bfloat16 model through the CPU executor, on every path, gives the
     logits of the plain model with the reference attention: a mixed decode +
     prefill batch over a pre-filled cache, then a decode-only one (AMX-sized)."""
-    from types import SimpleNamespace
     from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP
     from polyrunner.device.backend import ModelInputs
     variant, env = MODEL_PATHS[path]
@@ -252,8 +257,7 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
             pytest.skip("oneDNN bfloat16 packing unavailable on this CPU: its linears are the [unpacked] case")
         fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
         ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
-        config = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8))
-        executor = CPUExecutor(fast, config)
+        executor = CPUExecutor(fast, executor_config())
         linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
         assert all(isinstance(m, PackedLinear) for m in linears) == packed
         smalls = {m.small for m in linears if isinstance(m, PackedLinear)}

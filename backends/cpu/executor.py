@@ -1,4 +1,4 @@
-"""CPU graph executor: packed weights, fused elementwise ops, thread count.
+"""CPU executor: packed weights, fused elementwise ops, threads, CPU graphs of decode steps.
 
 - Which modules are swapped: the model names them, by role, through its
   `replaceable_modules()` hook (the model protocol in `polyrunner_models`):
@@ -29,9 +29,14 @@
   otherwise wake OpenMP's team, whose workers then spin on the cores the pool's
   helpers need (measured: single-stream bfloat16 decode 13.9 -> 10 ms/token on 2
   Zen 4 cores).
-- No graphs: steps here are bound by memory bandwidth (weights + KV) and by
-  oneDNN's small-M matmul rate; eager dispatch is a small part of a step (see
-  benchmarks/README.md).
+- Graphs (`graphs.py`, the core's `StaticGraphExecutor`: FULL_DECODE_ONLY, keyed
+  by the padded batch size, vLLM's capture sizes up to `graph_rows`): a decode
+  step whose every op is a C++ kernel (fused bfloat16 modules, pool linears) is
+  recorded once and replayed by one C call, without the ~60 us of Python per
+  layer (measured on 2 Zen 4 cores: quantized SmolLM2 single stream 6.0 -> 3.8
+  ms/token). Off with `enforce_eager`, `POLYRUNNER_CPU_GRAPHS=0`, float32 and
+  tensor parallelism (an all-reduce between the kernels); prefill and mixed
+  steps run eagerly.
 """
 from __future__ import annotations
 
@@ -44,7 +49,9 @@ from torch import nn
 
 from polyrunner.backends.cpu import kernels, threads
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
-from polyrunner.plugin_api import GraphExecutor, ModelInputs, Sampler, SamplerOutput, SamplingMetadata
+from polyrunner.backends.cpu.graphs import CPUGraphAPI
+from polyrunner.plugin_api import (BucketPolicy, GraphAPI, GraphBucketPolicy, ModelInputs, Sampler, SamplerOutput,
+                                   SamplingMetadata, StaticGraphExecutor)
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +272,16 @@ def fuse_elementwise(model: nn.Module) -> int:
 
 
 # ---- executor -------------------------------------------------------------------
-class CPUExecutor(GraphExecutor):
+class CPUExecutor(StaticGraphExecutor):
+    """Packed and fused modules, threads, and CPU graphs (`graphs.py`) of the
+    decode steps the pool's kernels run whole: `graph_rows` is the largest
+    captured batch (0: none, every step eager)."""
+
     def __init__(self, model: nn.Module, config) -> None:
-        super().__init__(model)
+        lib = kernels.paged_attention_kernel()
+        super().__init__(model, CPUGraphAPI(lib) if lib is not None else GraphAPI(),
+                         max_num_seqs=config.scheduler.max_num_seqs, enforce_eager=config.runner.enforce_eager,
+                         length_adaptive=True)   # the decode attention's cost follows seq_lens
         self.threads = threads.default_threads()  # one per physical core (see threads.py)
         auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
         self.governor = ThreadGovernor(self.threads) if auto else None
@@ -289,9 +303,23 @@ class CPUExecutor(GraphExecutor):
                 self.packed_logits = PackedLinear(weight, None, config.scheduler.max_num_seqs)
             n = pack_linears(model, hint)
             logger.debug("packed %d linear layers for oneDNN", n)
+        fused = 0
         if dtype == torch.bfloat16 and os.environ.get("POLYRUNNER_CPU_FUSE", "1") != "0":
-            fuse_elementwise(model)
+            fused = fuse_elementwise(model)
         self.pool_rows = pool_step_rows(model, self.packed_logits)
+        # graphs need every op of a decode step in a C++ kernel: fused bfloat16 modules, pool linears,
+        # no all-reduce between them (tensor parallelism)
+        graphs = (lib is not None and fused > 0 and not config.runner.enforce_eager
+                  and config.parallel.tensor_parallel_size == 1
+                  and os.environ.get("POLYRUNNER_CPU_GRAPHS", "1") != "0")
+        self.graph_rows = min(self.pool_rows, config.scheduler.max_num_seqs) if graphs else 0
+
+    def prepare(self, run_dummy, buckets: BucketPolicy) -> None:
+        """Capture a graph per token bucket up to `graph_rows` (none when 0), whatever
+        the backend's (or a subclass's) policy pads to: a step of another size runs eagerly."""
+        sizes = [b for b in buckets.token_buckets if b <= min(self.graph_rows, self.max_num_seqs)]
+        if sizes:
+            super().prepare(run_dummy, GraphBucketPolicy(sizes, sizes))
 
     # ---- threads ---------------------------------------------------------------
     def _set_threads(self, num_tokens: int) -> None:
@@ -314,7 +342,7 @@ class CPUExecutor(GraphExecutor):
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         self._set_threads(inputs.input_ids.shape[0])
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+        return super().run(inputs)
 
     # ---- sampling -----------------------------------------------------------------
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from polyrunner.backends.cpu.kernel_calls import call
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
@@ -42,6 +44,7 @@ SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one
            Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
            Path(__file__).with_name("argmax.cpp")]
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
+SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 HEADERS = [Path(__file__).with_name("thread_pool.h")]   # included by the sources (part of the build key)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
@@ -158,6 +161,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_dpbf16_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.pr_dpbf16_linear_bf16.restype = ctypes.c_int
     lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.pr_gather_rows.restype = None
+    lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
+    lib.pr_replay.restype = i64
+    lib.pr_replay.argtypes = [ptr, i64]
+    lib.pr_replay_kernel_name.restype = ctypes.c_char_p
+    lib.pr_replay_kernel_name.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -198,9 +207,9 @@ def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out")):
         if t.stride(-1) != 1 or t.stride(-2) != D:
             raise ValueError(f"{name} must have unit stride on the last dim and head stride {D}")
-    rc = _lib.pr_paged_attention(
-        DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        kv_cache.data_ptr(), NB, bs, Hq, Hkv, D, slot_mapping.data_ptr(), num_write,
+    rc = call(
+        _lib.pr_paged_attention, DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+        v.data_ptr(), v.stride(0), kv_cache.data_ptr(), NB, bs, Hq, Hkv, D, slot_mapping.data_ptr(), num_write,
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         out.data_ptr(), out.stride(0), r_begin, r_end, scale, window)
     if rc != 0:
@@ -211,7 +220,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """Hugging Face RMSNorm of a 2-D bfloat16 `x` (unit stride on the last dim)."""
     T, H = x.shape
     out = torch.empty((T, H), dtype=x.dtype)
-    _lib.pr_rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), T, H, eps)
+    call(_lib.pr_rms_norm_bf16, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), T, H,
+         eps)
     return out
 
 
@@ -220,8 +230,8 @@ def add_rms_norm_bf16(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """`(rms_norm(x + residual), x + residual)` for contiguous 2-D bfloat16 x and residual."""
     T, H = x.shape
     out, r = torch.empty((T, H), dtype=x.dtype), torch.empty((T, H), dtype=x.dtype)
-    _lib.pr_add_rms_norm_bf16(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), r.data_ptr(),
-                              out.data_ptr(), T, H, eps)
+    call(_lib.pr_add_rms_norm_bf16, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), r.data_ptr(),
+         out.data_ptr(), T, H, eps)
     return out, r
 
 
@@ -229,7 +239,7 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for the two halves of a 2-D bfloat16 `gate_up` (unit stride on the last dim)."""
     T, I2 = gate_up.shape
     out = torch.empty((T, I2 // 2), dtype=gate_up.dtype)
-    _lib.pr_silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, I2 // 2)
+    call(_lib.pr_silu_mul_bf16, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, I2 // 2)
     return out
 
 
@@ -238,8 +248,8 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Rotate bfloat16 q `[T, Hq, D]` and k `[T, Hkv, D]` in place at int64 `positions`
     (Hugging Face roundings); cos/sin: contiguous float32 `[P, D]`, D <= 512 and even."""
     T, Hq, D = q.shape
-    _lib.pr_rotary_bf16(q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1],
-                        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, D)
+    call(_lib.pr_rotary_bf16, q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1],
+         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, D)
 
 
 AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
@@ -294,7 +304,7 @@ def amx_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tens
     if M > AMX_MAX_M or x.stride(1) != 1:
         return None
     y = torch.empty((M, N), dtype=torch.bfloat16)
-    if _lib.pr_amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
+    if call(_lib.pr_amx_linear_bf16, x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
         return None
     return y
 
@@ -379,7 +389,7 @@ def dpbf16_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.T
     if x.stride(1) != 1 or x.dtype != torch.bfloat16:
         return None
     y = torch.empty((M, N), dtype=torch.bfloat16)
-    if _lib.pr_dpbf16_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
+    if call(_lib.pr_dpbf16_linear_bf16, x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
         return None
     return y
 

@@ -12,7 +12,8 @@ from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
-from polyrunner.plugin_api import NULL_BLOCK, Availability, Backend, Capabilities, hookimpl
+from polyrunner.plugin_api import (NULL_BLOCK, Availability, Backend, BucketPolicy, Capabilities, graph_bucket_policy,
+                                   hookimpl)
 
 
 DEFAULT_KV_CAP = 4 << 30
@@ -53,13 +54,14 @@ def _proc_cpu_flags() -> set[str]:
 
 
 class CPUBackend(Backend):
-    """Host memory; eager PyTorch with oneDNN-packed bf16 weights (AMX-packed
-    for decode-sized steps), C++ paged-attention and fused elementwise kernels;
-    no padding buckets; always available."""
+    """Host memory; PyTorch with oneDNN-packed bf16 weights (small-M kernels for
+    decode-sized steps), C++ paged-attention and fused elementwise kernels; CPU
+    graphs of decode steps (`graphs.py`) padded to vLLM's capture sizes; always
+    available."""
 
     name = "cpu"
     priority = 0
-    capabilities = Capabilities(graph_mode="eager", distributed_backend="gloo")
+    capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo")
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
 
     @classmethod
@@ -122,7 +124,14 @@ class CPUBackend(Backend):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
 
     def make_executor(self, model, config):
-        return CPUExecutor(model, config)
+        self._executor = CPUExecutor(model, config)
+        return self._executor
+
+    def bucket_policy(self, config) -> BucketPolicy:
+        """vLLM's decode capture sizes up to the largest batch the executor's CPU graphs
+        take (`CPUExecutor.graph_rows`); none before an executor exists or without graphs."""
+        rows = getattr(getattr(self, "_executor", None), "graph_rows", 0)
+        return graph_bucket_policy(config, rows) if rows else BucketPolicy()
 
     attention = staticmethod(cpu_paged_attention)
     quantize_model = staticmethod(quantize_model)

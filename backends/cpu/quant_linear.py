@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu.kernel_calls import call
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
@@ -135,8 +136,8 @@ def quant_matmul(qtype: str, blocks: torch.Tensor, in_features: int, x: torch.Te
     N = blocks.shape[0] * (8 if r8 else 1)
     y = torch.empty((M, N), dtype=out_dtype)
     fn = lib.pr_quant_linear8 if r8 else lib.pr_quant_linear
-    _check(fn(QTYPES[qtype], blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), M,
-              y.data_ptr(), y.stride(0), int(out_dtype == torch.bfloat16), ISAS[isa]), "pr_quant_linear")
+    _check(call(fn, QTYPES[qtype], blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16),
+                M, y.data_ptr(), y.stride(0), int(out_dtype == torch.bfloat16), ISAS[isa]), "pr_quant_linear")
     return y
 
 
@@ -192,8 +193,8 @@ class QuantLinear(nn.Module):
             fn, qt, N, K, isa = self._call
             out_dtype = self.out_dtype or x.dtype
             y = torch.empty((x.shape[0], N), dtype=out_dtype)
-            _check(fn(qt, self.blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
-                      x.shape[0], y.data_ptr(), N, out_dtype == torch.bfloat16, isa), "pr_quant_linear")
+            _check(call(fn, qt, self.blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
+                        x.shape[0], y.data_ptr(), N, out_dtype == torch.bfloat16, isa), "pr_quant_linear")
         else:
             y = quant_matmul(self.qtype, self.blocks, self.in_features, x, self.out_dtype, self.isa, self.lib,
                              self.r8)   # raises the error naming what is wrong

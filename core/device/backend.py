@@ -69,7 +69,7 @@ class Capabilities:
     eager device that runs every dtype and sampling feature). Read at start-up
     and by the conformance suite, which excuses checks a capability rules out.
 
-    graph_mode: "eager", "torch_compile", "cuda_graph", "xla", "acl_graph" (shown
+    graph_mode: "eager", "torch_compile", "cuda_graph", "xla", "acl_graph", "cpu_graph" (shown
       by `polyrunner backends`).
     static_shapes: every step must be padded to a bucket (tokens and requests);
       `bucket_policy` must then cover every legal batch of the config (adjust

@@ -59,8 +59,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
-        self.buckets = backend.bucket_policy(config)
         self.executor = backend.make_executor(model, config)
+        self.buckets = backend.bucket_policy(config)   # after the executor: it may depend on what that made
         self.gather_vocab = gather_vocab
         if gather_vocab is not None:
             self.executor = GatherLogits(self.executor, gather_vocab)

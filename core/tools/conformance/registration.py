@@ -9,7 +9,7 @@ import torch
 
 from polyrunner.tools.conformance.framework import check, expect, fail
 
-GRAPH_MODES = {"eager", "torch_compile", "cuda_graph", "xla", "acl_graph"}
+GRAPH_MODES = {"eager", "torch_compile", "cuda_graph", "xla", "acl_graph", "cpu_graph"}
 
 
 def _contributions(name: str) -> list[tuple[str, type]]:
