@@ -253,9 +253,9 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
-# rows PackedLinear gives the AVX512_BF16 kernel; oneDNN above (measured: 64-row decode steps ran
-# ~25% slower through it than through oneDNN on 2 Zen 4 cores)
-DPBF16_MAX_M = int(os.environ.get("POLYRUNNER_CPU_DPBF16_MAX_M", "32"))
+# rows PackedLinear gives the AVX512_BF16 kernel; oneDNN above (measured on 2 Zen 4 cores, every SmolLM2
+# linear: 0.87-0.94x oneDNN's time at 8-96 rows, with torch on one thread meanwhile -- see executor.py)
+DPBF16_MAX_M = int(os.environ.get("POLYRUNNER_CPU_DPBF16_MAX_M", "64"))
 _amx: bool | None = None
 _dpbf16: bool | None = None
 
