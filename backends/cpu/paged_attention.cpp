@@ -35,6 +35,7 @@
 #endif
 
 #include "thread_pool.h"
+#include "simd_exp.h"
 
 namespace {
 
@@ -121,23 +122,6 @@ inline __m512 scores16(const uint16_t* qrow, const uint16_t* k, int64_t row, int
   const __mmask16 valid = __mmask16(((1u << jb) - 1u) & ~((1u << ja) - 1u));
   return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
                             hsum16(acc), _mm512_set1_ps(scale));
-}
-
-// Vector fast_exp (same polynomial as the scalar one).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
 }
 
 // One row's online-softmax update over up to 16 keys: m, l, acc (D = 16 * NV floats).

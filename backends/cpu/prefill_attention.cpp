@@ -1,0 +1,209 @@
+// Prefill attention for bfloat16 on AVX512_BF16: requests with many queries attend their
+// whole context (this step's tokens, already written, plus any cached prefix) from the
+// paged cache, as two small matmuls per tile on `vdpbf16ps` with an online softmax.
+//
+// torch's CPU flash attention runs these shapes (head_dim 64, a few hundred tokens) at
+// ~70 GFLOP/s on a Zen 4 core pair; here each (request, KV head) first packs its keys and
+// values once into VNNI pairs (shared by every query tile and the G query heads of that KV
+// head), then a tile of 16 queries of one head computes
+//   S = Q K^T      keys in lanes: a 32-key block is 2 vectors per dim pair, Q pairs broadcast
+//   P = exp(S - m) online softmax in fp32; P rounded to bfloat16 for the second product
+//   O += P V       dims in lanes: a key pair's values interleaved, P pairs broadcast
+// Layout and masking as paged_attention.cpp (cache [2, NB, bs, Hkv, D]; query i of request r
+// at position seq_lens[r] - n_q + i sees keys p <= pos and, with a window w > 0, p > pos - w).
+// Threads: OpenMP (prefill steps run where oneDNN's team is awake), dynamic over
+// (request, KV head) packs, then over (request, head, query tile) items.
+// Returns 0, or 1 when this build/shape is not supported (the caller uses SDPA).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+#define PR_PREFILL_BF16 1
+#endif
+
+#include "simd_exp.h"
+
+#ifdef PR_PREFILL_BF16
+namespace {
+
+constexpr int64_t KB = 32;  // keys per block (2 vectors of scores)
+constexpr int64_t QT = 16;  // queries per tile
+
+struct Pack {  // one (request, KV head): keys [Lp / 32][D / 2][32], values [Lp / 2][D] (uint32 pairs)
+  uint32_t* k;
+  uint32_t* v;
+};
+
+// Keys and values of request r's KV head hk, positions [0, L), into VNNI pairs (zero past L).
+void pack(const uint16_t* cache, int64_t NB, int64_t bs, int64_t Hkv, int64_t D, const int32_t* table, int64_t L,
+          int64_t hk, Pack p) {
+  const int64_t row = Hkv * D, P = D / 2, Lp = (L + KB - 1) / KB * KB;
+  const uint16_t* kc = cache;
+  const uint16_t* vc = cache + NB * bs * row;
+  std::memset(p.k, 0, sizeof(uint32_t) * Lp * P);
+  std::memset(p.v, 0, sizeof(uint32_t) * Lp * P);
+  for (int64_t j = 0; j < L; ++j) {
+    const int64_t slot = int64_t(table[j / bs]) * bs + j % bs;
+    const uint16_t* kr = kc + slot * row + hk * D;
+    const uint16_t* vr = vc + slot * row + hk * D;
+    uint32_t* kd = p.k + (j / KB) * P * KB + j % KB;
+    for (int64_t i = 0; i < P; ++i) std::memcpy(kd + i * KB, kr + 2 * i, 4);
+    uint16_t* vd = reinterpret_cast<uint16_t*>(p.v + (j / 2) * D) + (j & 1);
+    for (int64_t d = 0; d < D; ++d) vd[2 * d] = vr[d];
+  }
+}
+
+inline __m512bh bcast_pair(const uint16_t* x) {
+  uint32_t v;
+  std::memcpy(&v, x, 4);
+  return (__m512bh)_mm512_set1_epi32(int32_t(v));
+}
+
+// One tile: queries [t0, t0 + nt) of request (q0, nq, L), head h (KV head via pack p).
+template <int ND>  // D = 16 * ND
+void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, int64_t L, int64_t t0, int64_t nt,
+          Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window) {
+  constexpr int64_t D = 16 * ND, P = D / 2;
+  const float NEG = -std::numeric_limits<float>::infinity();
+  alignas(64) float acc[QT][D];
+  alignas(64) float s[QT][KB];
+  float m[QT], l[QT];
+  for (int64_t i = 0; i < nt; ++i) {
+    m[i] = NEG;
+    l[i] = 0.f;
+    std::fill(acc[i], acc[i] + D, 0.f);
+  }
+  const int64_t pos0 = L - nq + t0, pos1 = pos0 + nt - 1;  // positions of the first and last query
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t b = lo / KB; b * KB <= pos1; ++b) {
+    const uint32_t* kb = p.k + b * P * KB;
+    // S = Q K^T for the block, 4 query rows at a time
+    for (int64_t i0 = 0; i0 < nt; i0 += 4) {
+      const int64_t ni = std::min<int64_t>(4, nt - i0);
+      __m512 s0[4], s1[4];
+      for (int r = 0; r < 4; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+      const uint16_t* qr[4];
+      for (int r = 0; r < 4; ++r) qr[r] = q + (q0 + t0 + i0 + std::min<int64_t>(r, ni - 1)) * q_ts + h * D;
+      for (int64_t i = 0; i < P; ++i) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + i * KB), k1 = (__m512bh)_mm512_loadu_si512(kb + i * KB + 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512bh x = bcast_pair(qr[r] + 2 * i);
+          s0[r] = _mm512_dpbf16_ps(s0[r], x, k0);
+          s1[r] = _mm512_dpbf16_ps(s1[r], x, k1);
+        }
+      }
+      for (int64_t r = 0; r < ni; ++r) {
+        _mm512_store_ps(s[i0 + r], s0[r]);
+        _mm512_store_ps(s[i0 + r] + 16, s1[r]);
+      }
+    }
+    // online softmax per row, then O += P V
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t pos = pos0 + i, first = window > 0 ? pos - window + 1 : 0;
+      __m512 v[2];
+      __mmask16 ok[2];
+      float mx = m[i];
+      for (int c = 0; c < 2; ++c) {
+        const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(float(b * KB + 16 * c)));
+        ok[c] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(pos)), _CMP_LE_OQ) &
+                _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(first)), _CMP_GE_OQ);
+        v[c] = _mm512_mul_ps(_mm512_load_ps(s[i] + 16 * c), _mm512_set1_ps(scale));
+        if (ok[c]) mx = std::max(mx, _mm512_mask_reduce_max_ps(ok[c], v[c]));
+      }
+      if (!(ok[0] | ok[1])) continue;
+      const float corr = m[i] == NEG ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[i] - mx)));
+      m[i] = mx;
+      __m512 e[2];
+      for (int c = 0; c < 2; ++c) e[c] = _mm512_maskz_mov_ps(ok[c], exp16(_mm512_sub_ps(v[c], _mm512_set1_ps(mx))));
+      l[i] = l[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
+      alignas(64) uint32_t pp[16];  // P as bfloat16 pairs: lane j = keys (2j, 2j + 1)
+      _mm512_store_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+      __m512 o[ND];
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int d = 0; d < ND; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * d), cv);
+      const uint32_t* vb = p.v + b * (KB / 2) * D;
+      for (int64_t j = 0; j < KB / 2; ++j) {
+        if (pp[j] == 0) continue;  // both keys masked (or underflowed)
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(int32_t(pp[j]));
+        for (int d = 0; d < ND; ++d)
+          o[d] = _mm512_dpbf16_ps(o[d], x, (__m512bh)_mm512_loadu_si512(vb + j * D + 16 * d));
+      }
+      for (int d = 0; d < ND; ++d) _mm512_store_ps(acc[i] + 16 * d, o[d]);
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) {
+    const __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+    uint16_t* dst = out + (q0 + t0 + i) * o_ts + h * D;
+    for (int d = 0; d < ND; ++d)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * d), inv)));
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// Attend requests [r_begin, r_end) (bfloat16, D 64 or 128); arguments as pr_paged_attention's
+// (the step's keys and values already in the cache). 0, or 1 when unsupported here.
+int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* cache, int64_t NB, int64_t bs,
+                              int64_t Hq, int64_t Hkv, int64_t D, const int32_t* qsl, const int32_t* seq_lens,
+                              const int32_t* bt, int64_t bt_stride, uint16_t* out, int64_t o_ts, int64_t r_begin,
+                              int64_t r_end, float scale, int64_t window) {
+#ifdef PR_PREFILL_BF16
+  if ((D != 64 && D != 128) || Hkv <= 0 || Hq % Hkv) return 1;
+  const int64_t G = Hq / Hkv;
+  std::vector<int64_t> offset(r_end - r_begin + 1, 0);  // pack words before request r's
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t L = qsl[r + 1] > qsl[r] ? seq_lens[r] : 0;
+    offset[r - r_begin + 1] = offset[r - r_begin] + Hkv * 2 * ((L + KB - 1) / KB * KB) * (D / 2);
+  }
+  std::vector<uint32_t> buf(offset.back());
+  auto pack_of = [&](int64_t r, int64_t hk) {
+    const int64_t Lp = (int64_t(seq_lens[r]) + KB - 1) / KB * KB, words = Lp * (D / 2);
+    uint32_t* base = buf.data() + offset[r - r_begin] + hk * 2 * words;
+    return Pack{base, base + words};
+  };
+  std::vector<std::pair<int64_t, int64_t>> packs;        // (request, KV head)
+  std::vector<std::pair<int64_t, int64_t>> items;        // (request * Hq + head, first query)
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t nq = int64_t(qsl[r + 1]) - qsl[r];
+    if (nq <= 0 || seq_lens[r] <= 0) continue;
+    for (int64_t hk = 0; hk < Hkv; ++hk) packs.emplace_back(r, hk);
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t t0 = 0; t0 < nq; t0 += QT) items.emplace_back(r * Hq + h, t0);
+  }
+  const int64_t n_packs = int64_t(packs.size()), n_items = int64_t(items.size());
+#pragma omp parallel if (n_items > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_packs; ++i) {
+      const int64_t r = packs[i].first, hk = packs[i].second;
+      pack(cache, NB, bs, Hkv, D, bt + r * bt_stride, seq_lens[r], hk, pack_of(r, hk));
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) {
+      const int64_t r = items[i].first / Hq, h = items[i].first % Hq, t0 = items[i].second;
+      const int64_t nq = int64_t(qsl[r + 1]) - qsl[r], nt = std::min<int64_t>(QT, nq - t0);
+      const Pack p = pack_of(r, h / G);
+      if (D == 64)
+        tile<4>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window);
+      else
+        tile<8>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window);
+    }
+  }
+  return 0;
+#else
+  (void)q; (void)q_ts; (void)cache; (void)NB; (void)bs; (void)Hq; (void)Hkv; (void)D; (void)qsl; (void)seq_lens;
+  (void)bt; (void)bt_stride; (void)out; (void)o_ts; (void)r_begin; (void)r_end; (void)scale; (void)window;
+  return 1;
+#endif
+}
+}

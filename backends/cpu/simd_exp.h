@@ -1,0 +1,27 @@
+// exp16: exp of 16 floats at once (AVX-512), for softmax after max subtraction (x <= 0):
+// 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative
+// error ~1e-8), the same polynomial as paged_attention.cpp's scalar fast_exp.
+// Shared by the attention kernels (paged_attention.cpp, prefill_attention.cpp).
+#pragma once
+
+#if defined(__AVX512F__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+
+namespace {
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+}  // namespace
+#endif
