@@ -281,7 +281,8 @@ class CPUExecutor(StaticGraphExecutor):
         lib = kernels.paged_attention_kernel()
         super().__init__(model, CPUGraphAPI(lib) if lib is not None else GraphAPI(),
                          max_num_seqs=config.scheduler.max_num_seqs, enforce_eager=config.runner.enforce_eager,
-                         length_adaptive=True)   # the decode attention's cost follows seq_lens
+                         length_adaptive=True,   # the decode attention's cost follows seq_lens
+                         num_warmups=0)          # a capture runs the step itself; nothing to warm up first
         self.threads = threads.default_threads()  # one per physical core (see threads.py)
         auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
         self.governor = ThreadGovernor(self.threads) if auto else None
