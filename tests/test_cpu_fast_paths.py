@@ -317,6 +317,8 @@ def test_steps_the_pool_runs_whole_give_torch_one_thread(monkeypatch, dtype):
     ex = llm.engine.runner.executor
     linears = [getattr(parent, name) for parent, name, _ in replaceable(ex.model, "linear")]
     assert ex.pool_rows == min(pool_rows(m) for m in linears + [ex.packed_logits])
+    fused_bf16 = next(ex.model.parameters()).dtype == torch.bfloat16 and kernels.paged_attention_kernel() is not None
+    assert ex.graph_rows == (min([pool_rows(m) for m in linears] + [4]) if fused_bf16 else 0)  # max_num_seqs 4
     if kernels.paged_attention_kernel() is not None and (dtype == "auto" or kernels.dpbf16_available()
                                                         or kernels.amx_available()):
         assert ex.pool_rows > 0

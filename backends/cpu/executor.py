@@ -167,12 +167,12 @@ def pool_rows(module: nn.Module) -> int:
     return 0
 
 
-def pool_step_rows(model: nn.Module, logits: nn.Module | None) -> int:
-    """The largest step (tokens) whose every linear, the LM head `logits` included,
-    runs on the pool's small-M kernels; 0 when some linear never does (then
-    torch/oneDNN's OpenMP team computes it and keeps its threads)."""
+def pool_step_rows(model: nn.Module) -> int:
+    """The largest step (tokens) whose every linear of the model's forward runs on
+    the pool's small-M kernels; 0 when some linear never does (then torch/oneDNN's
+    OpenMP team computes it and keeps its threads)."""
     linears = [getattr(parent, name) for parent, name, _ in replaceable(model, "linear")]
-    return min(pool_rows(m) for m in linears + [logits]) if linears else 0
+    return min(pool_rows(m) for m in linears) if linears else 0
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> int:
@@ -307,13 +307,14 @@ class CPUExecutor(StaticGraphExecutor):
         fused = 0
         if dtype == torch.bfloat16 and os.environ.get("POLYRUNNER_CPU_FUSE", "1") != "0":
             fused = fuse_elementwise(model)
-        self.pool_rows = pool_step_rows(model, self.packed_logits)
+        forward_rows = pool_step_rows(model)
+        self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
         # graphs need every op of a decode step in a C++ kernel: fused bfloat16 modules, pool linears,
         # no all-reduce between them (tensor parallelism)
         graphs = (lib is not None and fused > 0 and not config.runner.enforce_eager
                   and config.parallel.tensor_parallel_size == 1
                   and os.environ.get("POLYRUNNER_CPU_GRAPHS", "1") != "0")
-        self.graph_rows = min(self.pool_rows, config.scheduler.max_num_seqs) if graphs else 0
+        self.graph_rows = min(forward_rows, config.scheduler.max_num_seqs) if graphs else 0   # the forward only
 
     def prepare(self, run_dummy, buckets: BucketPolicy) -> None:
         """Capture a graph per token bucket up to `graph_rows` (none when 0), whatever
