@@ -154,3 +154,15 @@ def test_no_graphs_when_turned_off_or_not_replayable(monkeypatch, how):
     assert ex.graph_rows == 0 and ex.num_graphs() == 0
     assert not llm.engine.runner.buckets.token_buckets      # and no padding
     assert len(_run(llm, PROMPTS[:2], 4)[0][0]) == 4
+
+
+def test_capturing_does_not_import_dynamo():
+    """Cold start: the capture's dispatch mode must not pull in torch._dynamo (~0.85 s)."""
+    import subprocess
+    import sys
+    code = ("import sys; from polyrunner import LLM; llm = LLM(backend='cpu', max_num_seqs=4, quantization='gguf', "
+            "dtype='bfloat16', kv_cache_memory_bytes=16 << 20); assert llm.engine.runner.executor.num_graphs() > 0; "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"
