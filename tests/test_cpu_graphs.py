@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +167,19 @@ def test_capturing_does_not_import_dynamo():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_kernel_without_a_replay_entry_fails_the_capture(api):
+    """Every kernel call made during a capture is either recorded or fails it, never skipped
+    (the prefill attention kernel, for one, has no replay entry: graphs hold decode steps)."""
+    from test_cpu_prefill_attention import _prefills
+    meta = _prefills(np.random.default_rng(0), [20], [0], 16, 8)
+    q = torch.zeros(20, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    if not kernels.prefill_attention_bf16(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
+                                          0, 1, 0.1, 0):
+        pytest.skip("the prefill attention kernel does not run on this CPU (no AVX512_BF16)")
+    with pytest.raises(NotReplayable, match="pr_prefill_attention_bf16 has no replay entry"):
+        api.capture(lambda: kernels.prefill_attention_bf16(q, cache, meta.query_start_loc, meta.seq_lens,
+                                                           meta.block_tables, out, 0, 1, 0.1, 0), api.pool())

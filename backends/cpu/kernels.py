@@ -233,9 +233,9 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     _, NB, bs, Hkv, D = kv_cache.shape
     if q.stride(-1) != 1 or q.stride(-2) != D or out.stride(-1) != 1 or out.stride(-2) != D:
         return False
-    return _lib.pr_prefill_attention_bf16(
-        q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D, query_start_loc.data_ptr(),
-        seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), out.data_ptr(), out.stride(0),
+    return call(   # (not replayable: a capture that reached it would fail, not skip it)
+        _lib.pr_prefill_attention_bf16, q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D,
+        query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), out.data_ptr(), out.stride(0),
         r_begin, r_end, scale, window) == 0
 
 
