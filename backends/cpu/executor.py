@@ -337,7 +337,7 @@ class CPUExecutor(StaticGraphExecutor):
             self._current_threads = n, pool_step
         # helpers spin between the small calls of decode-sized steps; in larger steps
         # oneDNN's OpenMP team needs every core, and a spinning helper would hold one
-        spin = num_tokens <= max(self.pool_rows, kernels.DPBF16_MAX_M)
+        spin = num_tokens <= kernels.DPBF16_MAX_M
         if spin != self._spinning:
             kernels.set_pool_spin(self.spin_us if spin else 0)
             self._spinning = spin

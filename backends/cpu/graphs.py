@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -66,10 +66,6 @@ class Arena:
                 self._offset += nbytes
                 return block[self._offset - nbytes:self._offset]
             self._block, self._offset = self._block + 1, 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.blocks)
 
 
 class _Vet(TorchDispatchMode):
@@ -130,10 +126,9 @@ class CPUGraphAPI(GraphAPI):
     def pool(self) -> Arena:
         return self.arena
 
-    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
-        arena = pool if isinstance(pool, Arena) else self.arena
-        arena.restart()
-        with kernel_calls.record_calls() as record, _Vet(arena, self.lib):
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Arena) -> tuple[Callable[[], None], torch.Tensor]:
+        pool.restart()
+        with kernel_calls.record_calls() as record, _Vet(pool, self.lib):
             out = fn()
         records = np.ascontiguousarray(np.asarray(record, dtype=np.int64).reshape(len(record), -1))
         lib, n, address = self.lib, len(record), records.ctypes.data

@@ -63,6 +63,7 @@ class CPUBackend(Backend):
     priority = 0
     capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo")
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
+    _executor: CPUExecutor | None = None   # this engine's, once `make_executor` made it
 
     @classmethod
     def probe(cls) -> Availability:
@@ -130,7 +131,7 @@ class CPUBackend(Backend):
     def bucket_policy(self, config) -> BucketPolicy:
         """vLLM's decode capture sizes up to the largest batch the executor's CPU graphs
         take (`CPUExecutor.graph_rows`); none before an executor exists or without graphs."""
-        rows = getattr(getattr(self, "_executor", None), "graph_rows", 0)
+        rows = self._executor.graph_rows if self._executor is not None else 0
         return graph_bucket_policy(config, rows) if rows else BucketPolicy()
 
     attention = staticmethod(cpu_paged_attention)
