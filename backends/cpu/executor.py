@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels, threads
+from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
 from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.plugin_api import (BucketPolicy, GraphAPI, GraphBucketPolicy, ModelInputs, Sampler, SamplerOutput,
@@ -283,6 +284,7 @@ class CPUExecutor(StaticGraphExecutor):
                          max_num_seqs=config.scheduler.max_num_seqs, enforce_eager=config.runner.enforce_eager,
                          length_adaptive=True,   # the decode attention's cost follows seq_lens
                          num_warmups=0)          # a capture runs the step itself; nothing to warm up first
+        keep_freed_memory()   # no page faults on the steps' temporaries (see host_memory.py)
         self.threads = threads.default_threads()  # one per physical core (see threads.py)
         auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
         self.governor = ThreadGovernor(self.threads) if auto else None

@@ -298,7 +298,11 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
 // ---- decode: one query per request, parallel over (request, KV heads, context split) ----
 // Each work item reads the keys and values of a range of KV heads over a key range
 // once, block by block (prefetching the next block while it computes on the
-// current one), for the G query heads that share each KV head. With at least
+// current one), for the G query heads that share each KV head. The bfloat16 path
+// prefetches one row of the next block per key it computes: a whole block's
+// prefetches at once fill the core's miss buffers and stall the loads behind
+// them until they land, so fetch and compute add up instead of overlapping
+// (measured: 64 requests x 160 keys x 30 layers, 15.8 -> 9.6 ms on 2 Zen 4 cores). With at least
 // twice as many requests as threads an item is a request (all heads: each block's
 // rows are read whole); otherwise an item is one (request, KV head) pair, and when
 // those are fewer than twice the threads long contexts are split into ranges of
@@ -365,7 +369,8 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
 // are widened once per key for all G heads.
 template <int NC>
 inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t ja,
-                              int64_t jb, int64_t G, float scale, float* m, float* l, float* acc) {
+                              int64_t jb, int64_t G, float scale, float* m, float* l, float* acc,
+                              const uint16_t* next_k, const uint16_t* next_v) {
   constexpr int D = 32 * NC, NV = 2 * NC;
   for (int64_t c0 = ja - ja % 16; c0 < jb; c0 += 16) {
     const int64_t a = std::max<int64_t>(ja - c0, 0), b = std::min<int64_t>(jb - c0, 16);
@@ -388,6 +393,11 @@ inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16
         for (int i = 0; i < NV; ++i)
           o[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * D + 16 * i), _mm512_set1_ps(corr[g0 + g]));
       for (int64_t j = a; j < b; ++j) {
+        if (next_k != nullptr && g0 == 0)  // the same row of the next block, spread over the keys
+          for (int e = 0; e < D * 2; e += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(next_k + (c0 + j) * row) + e);
+            __builtin_prefetch(reinterpret_cast<const char*>(next_v + (c0 + j) * row) + e);
+          }
         const uint16_t* vr = v + (c0 + j) * row;
         __m512 vv[NV];
         for (int i = 0; i < NV; ++i) vv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -415,10 +425,16 @@ void decode_item(void* ctx, int64_t idx, int) {
   std::fill(acc, acc + nh * G * D, 0.f);
   std::fill(m, m + nh * G, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nh * G, 0.f);
+#ifdef PR_BF16_DOT
+  const bool bf16_dot = std::is_same<T, uint16_t>::value && (D == 64 || D == 128);
+#else
+  const bool bf16_dot = false;
+#endif
   for (int64_t b = it.k0 / bs; b * bs < it.k1; ++b) {
     const int64_t off = (int64_t(table[b]) * bs) * row + it.h0 * D;
-    if ((b + 1) * bs < it.k1) {  // the next block (elsewhere in memory): its K and V rows of these heads
-      const int64_t noff = (int64_t(table[b + 1]) * bs) * row + it.h0 * D;
+    const bool has_next = (b + 1) * bs < it.k1;
+    const int64_t noff = has_next ? (int64_t(table[b + 1]) * bs) * row + it.h0 * D : 0;
+    if (has_next && !bf16_dot) {  // the next block (elsewhere in memory): its K and V rows of these heads
       for (int64_t j = 0; j < bs; ++j)
         for (int64_t e = 0; e < nh * D * int64_t(sizeof(T)); e += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(c.kc + noff + j * row) + e);
@@ -432,12 +448,14 @@ void decode_item(void* ctx, int64_t idx, int) {
       const T* vb = c.vc + off + h * D;
       float *mh = m + h * G, *lh = l + h * G, *ah = acc + h * G * D;
 #ifdef PR_BF16_DOT
-      if (std::is_same<T, uint16_t>::value && (D == 64 || D == 128)) {
+      if (bf16_dot) {
         const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qh);
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
         const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
-        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah);
-        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah);
+        const uint16_t* nk = has_next ? reinterpret_cast<const uint16_t*>(c.kc + noff + h * D) : nullptr;
+        const uint16_t* nv = has_next ? reinterpret_cast<const uint16_t*>(c.vc + noff + h * D) : nullptr;
+        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah, nk, nv);
+        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah, nk, nv);
         continue;
       }
 #endif

@@ -10,6 +10,7 @@ import torch
 
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
+from polyrunner.backends.cpu.host_memory import prefault_in_background
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
 from polyrunner.plugin_api import (NULL_BLOCK, Availability, Backend, BucketPolicy, Capabilities, graph_bucket_policy,
@@ -115,10 +116,12 @@ class CPUBackend(Backend):
 
     def allocate_kv_cache(self, spec, num_blocks):
         """Uninitialised host memory (every slot is written before it is read),
-        except the null block, which padded requests may read."""
+        except the null block, which padded requests may read. Its pages are
+        faulted in by a background thread (`host_memory`), not by the steps."""
         caches = [torch.empty(spec.layer_shape(num_blocks), dtype=spec.dtype) for _ in range(spec.num_layers)]
         for cache in caches:
             cache[:, NULL_BLOCK].zero_()
+        prefault_in_background(caches)
         return caches
 
     def to_device(self, array):

@@ -1,0 +1,108 @@
+"""host_memory.py: the KV cache's pages are mapped in the background without
+changing what the engine wrote, and freed temporaries stop faulting."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from polyrunner.backends.cpu import host_memory
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise/mincore are Linux's")
+
+
+def resident_fraction(t: torch.Tensor) -> float:
+    """Share of `t`'s whole pages that are in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    n = (end - start) // page
+    vec = (ctypes.c_ubyte * n)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) / n
+
+
+def populate_supported() -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = torch.empty(1 << 16, dtype=torch.uint8)
+    page = os.sysconf("SC_PAGE_SIZE")
+    addr = -(-buf.data_ptr() // page) * page
+    return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(page), host_memory.MADV_POPULATE_WRITE) == 0
+
+
+@linux
+def test_prefault_maps_every_page_and_keeps_the_contents():
+    if not populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    caches = [torch.empty(40 << 20, dtype=torch.uint8) for _ in range(2)]   # above mmap's threshold: fresh pages
+    assert resident_fraction(caches[1]) < 0.5
+    caches[0][:8192] = 7          # what the engine wrote before the thread got there
+    caches[1][-100:] = 3
+    thread = host_memory.prefault_in_background(caches)
+    assert thread is not None and thread.daemon
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert resident_fraction(caches[0]) == 1.0 and resident_fraction(caches[1]) == 1.0
+    assert bool((caches[0][:8192] == 7).all()) and bool((caches[1][-100:] == 3).all())
+
+
+@linux
+def test_prefault_skips_tensors_freed_meanwhile():
+    caches = [torch.empty(8 << 20, dtype=torch.uint8)]
+    refs_only = host_memory.prefault_in_background([torch.empty(8 << 20, dtype=torch.uint8), *caches])
+    gc.collect()
+    refs_only.join(timeout=60)
+    assert not refs_only.is_alive()
+    assert host_memory.prefault_in_background([]) is None
+
+
+@linux
+def test_cpu_backend_prefaults_its_kv_cache(monkeypatch):
+    from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.device.kv_spec import KVCacheSpec
+    started = []
+    monkeypatch.setattr("polyrunner.backends.cpu.plugin.prefault_in_background", started.append)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.bfloat16)
+    caches = CPUBackend().allocate_kv_cache(spec, num_blocks=3)
+    assert len(started) == 1 and [c.data_ptr() for c in started[0]] == [c.data_ptr() for c in caches]
+
+
+FAULTS_PER_CALL = """
+import resource, sys, torch
+from polyrunner.backends.cpu import host_memory
+if sys.argv[1] == "keep" and not host_memory.keep_freed_memory():
+    print("no-glibc"); raise SystemExit
+torch.set_num_threads(1)
+x = torch.randn(64, 49152).bfloat16()     # the logits of 64 rows: a 12 MiB float32 temporary
+for _ in range(3):
+    x.float()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    x.float()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+"""
+
+
+@linux
+def test_freed_temporaries_stop_faulting():
+    """With glibc trimming every free (a small trim threshold, as a fragmented heap
+    ends up behaving) each 12 MiB temporary faults all of its 3072 pages in again;
+    keep_freed_memory stops that."""
+    def faults(mode: str) -> str:
+        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="131072")
+        out = subprocess.run([sys.executable, "-c", FAULTS_PER_CALL, mode], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+    kept = faults("keep")
+    if kept == "no-glibc":
+        pytest.skip("not glibc")
+    assert float(faults("default")) > 2000       # the scenario does fault
+    assert float(kept) < 3072 / 4, f"{kept} page faults per 12 MiB temporary (3072 pages)"
