@@ -202,6 +202,35 @@ def test_thread_governor_stays_in_range():
     assert ThreadGovernor(1).threads() == 1
 
 
+def test_thread_governor_counts_only_the_time_the_engine_steps(monkeypatch):
+    """Others busy while the engine steps -> fewer threads; a busy spell of theirs
+    while the engine sat idle (a client starting up) does not count."""
+    monkeypatch.setattr("polyrunner.backends.cpu.executor.available_cpus", lambda: 2)
+    now = [0.0]
+    busy = [0.0]      # seconds all CPUs were busy
+    own = [0.0]       # seconds this process ran
+
+    def advance(seconds: float, own_cores: float, other_cores: float) -> None:
+        now[0] += seconds
+        own[0] += seconds * own_cores
+        busy[0] += seconds * (own_cores + other_cores)
+
+    gov = ThreadGovernor(2, interval=0.5, stale_after=2.0, sample=lambda: (now[0], busy[0], own[0]),
+                         clock=lambda: now[0])
+    advance(0.6, own_cores=1.0, other_cores=0.9)      # stepping, another process holds a core
+    assert gov.threads() == 1
+    advance(0.6, own_cores=2.0, other_cores=0.0)      # it left
+    assert gov.threads() == 2
+    advance(0.2, own_cores=2.0, other_cores=1.0)      # within the interval: no new reading
+    assert gov.threads() == 2
+    advance(0.4, own_cores=1.0, other_cores=1.0)
+    assert gov.threads() == 1
+    advance(7.0, own_cores=0.0, other_cores=1.0)      # engine idle; a client starts up
+    assert gov.threads() == 2
+    advance(0.6, own_cores=2.0, other_cores=0.1)
+    assert gov.threads() == 2
+
+
 def executor_config():
     """What `CPUExecutor` reads of an engine config (eager: these tests call `run` directly)."""
     from types import SimpleNamespace

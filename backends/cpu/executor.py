@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,16 +69,29 @@ def available_cpus() -> int:
 
 class ThreadGovernor:
     """How many threads a large step should use: the usable CPUs minus those
-    other processes kept busy over the last interval (Linux /proc/stat)."""
+    other processes kept busy over the last interval (Linux /proc/stat).
 
-    def __init__(self, max_threads: int, interval: float = 0.5) -> None:
+    Only intervals the engine spent stepping count: after a gap of more than
+    `stale_after` seconds between calls (the engine sat idle) the count starts
+    again from every thread. What others did while we were idle says little
+    about now: a benchmark client's start-up, or clients that wait on our tokens.
+    (Measured: the first requests of a serving run prefilled on one thread and
+    made rate 4's p99 TTFT 298 ms instead of ~200.)"""
+
+    def __init__(self, max_threads: int, interval: float = 0.5, stale_after: float = 2.0,
+                 sample: Callable[[], tuple[float, float, float] | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_threads = max_threads
         self.interval = interval
+        self.stale_after = stale_after
         self.current = max_threads
+        self._sample = sample or self._proc_sample
+        self._clock = clock
         self._last = self._sample()
 
     @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
+    def _proc_sample() -> tuple[float, float, float] | None:
+        """(monotonic time, seconds every CPU was busy, seconds this process ran)."""
         try:
             with open("/proc/stat") as f:
                 fields = f.readline().split()[1:]
@@ -92,13 +106,15 @@ class ThreadGovernor:
     def threads(self) -> int:
         if self.max_threads == 1 or self._last is None:
             return self.max_threads
-        now = time.monotonic()
-        if now - self._last[0] < self.interval:
+        if self._clock() - self._last[0] < self.interval:
             return self.current
         sample = self._sample()
         if sample is None:
             return self.current
         wall = sample[0] - self._last[0]
+        if wall > self.stale_after:   # idle since the last call: start again from every thread
+            self._last, self.current = sample, self.max_threads
+            return self.current
         others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
         self._last = sample
         free = available_cpus() - others

@@ -11,7 +11,7 @@ on a VM whose memory the host backs lazily ~13 us (measured on this project's
   pages per 256 requests until the whole cache has been used (measured: served
   output throughput fell 15-21% from the first to the third run on one server).
   `prefault_in_background` has a daemon thread at the lowest CPU priority ask the
-  kernel to map the pages (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), 64 MiB
+  kernel to map the pages (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), 4 MiB
   at a time. It maps the pages without writing their contents, so the engine may
   use the cache meanwhile. The thread only runs on CPU time nothing else wants.
 - Freed activations. glibc hands freed blocks above its trim threshold back to
@@ -39,7 +39,7 @@ MADV_POPULATE_WRITE = 23          # linux/mman.h (5.14+)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # malloc.h
 MMAP_THRESHOLD_MAX = 32 << 20     # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 1 << 30
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 4 << 20   # per madvise call, which holds the address space's lock (read) while it faults
 
 
 def _libc() -> ctypes.CDLL | None:
