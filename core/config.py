@@ -46,6 +46,10 @@ class CacheConfig(_Strict):
     memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = Field(default=None, ge=2)
+    prefault_kv_cache: bool = Field(default=False, description="map every page of the KV cache before the "
+                                    "steps touch it (a backend whose cache is host memory does it in a background "
+                                    "thread): for a long-running server, so no step pays a first-touch page fault; "
+                                    "False: pages fault in as blocks are first used")
 
 
 class SchedulerConfig(_Strict):

@@ -24,7 +24,8 @@ class LLM:
     `backend`: a registered backend name (None: the best available).
     The other arguments take vLLM's names: `gpu_memory_utilization` is the share of
     the device's free memory the KV cache may use (without kv_cache_memory_bytes),
-    `num_gpu_blocks_override` fixes the number of KV blocks; `max_logprobs` caps
+    `num_gpu_blocks_override` fixes the number of KV blocks; `prefault_kv_cache` maps the
+    KV cache's pages before steps touch them (what `polyrunner serve` does); `max_logprobs` caps
     `logprobs` / `prompt_logprobs` (-1: the whole vocabulary); `logprobs_mode` is
     what the sampled logprobs hold ("raw_logprobs", "raw_logits",
     "processed_logprobs", "processed_logits"); `scheduling_policy` "fcfs" or
@@ -45,6 +46,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
+                 prefault_kv_cache: bool = False,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  scheduling_policy: str = "fcfs", max_logprobs: int = 20,
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
@@ -57,7 +59,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               memory_utilization=gpu_memory_utilization,
                               num_blocks_override=num_gpu_blocks_override,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold,

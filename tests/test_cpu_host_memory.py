@@ -64,14 +64,36 @@ def test_prefault_skips_tensors_freed_meanwhile():
 
 
 @linux
-def test_cpu_backend_prefaults_its_kv_cache(monkeypatch):
+@pytest.mark.parametrize("prefault", [False, True])
+def test_cpu_backend_prefaults_its_kv_cache_when_asked(monkeypatch, prefault):
+    from types import SimpleNamespace
+
     from polyrunner.backends.cpu.plugin import CPUBackend
     from polyrunner.device.kv_spec import KVCacheSpec
     started = []
     monkeypatch.setattr("polyrunner.backends.cpu.plugin.prefault_in_background", started.append)
+    monkeypatch.setattr("polyrunner.backends.cpu.plugin.CPUExecutor", lambda model, config: None)
+    backend = CPUBackend()
+    backend.make_executor(None, SimpleNamespace(cache=SimpleNamespace(prefault_kv_cache=prefault)))
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.bfloat16)
-    caches = CPUBackend().allocate_kv_cache(spec, num_blocks=3)
-    assert len(started) == 1 and [c.data_ptr() for c in started[0]] == [c.data_ptr() for c in caches]
+    caches = backend.allocate_kv_cache(spec, num_blocks=3)
+    if prefault:
+        assert len(started) == 1 and [c.data_ptr() for c in started[0]] == [c.data_ptr() for c in caches]
+    else:
+        assert started == []
+
+
+def test_serve_prefaults_and_the_library_does_not():
+    import inspect
+
+    from polyrunner import LLM
+    from polyrunner.config import CacheConfig
+    from polyrunner.tools.cli import build_parser
+    assert CacheConfig().prefault_kv_cache is False
+    assert inspect.signature(LLM).parameters["prefault_kv_cache"].default is False
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).prefault_kv_cache is True
+    assert parser.parse_args(["serve", "--no-prefault-kv-cache"]).prefault_kv_cache is False
 
 
 FAULTS_PER_CALL = """

@@ -10,9 +10,11 @@ on a VM whose memory the host backs lazily ~13 us (measured on this project's
   once before it reuses any. A server therefore faults in a new 1 GiB of cache
   pages per 256 requests until the whole cache has been used (measured: served
   output throughput fell 15-21% from the first to the third run on one server).
-  `prefault_in_background` has a daemon thread at the lowest CPU priority ask the
-  kernel to map the pages (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+), 4 MiB
-  at a time. It maps the pages without writing their contents, so the engine may
+  With `CacheConfig.prefault_kv_cache` (what `polyrunner serve` sets; an offline
+  `LLM` faults in only the blocks it uses and holds no more memory than that),
+  `prefault_in_background` has a daemon thread at the lowest CPU priority ask
+  the kernel to map the pages (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+),
+  4 MiB at a time. It maps the pages without writing their contents, so the engine may
   use the cache meanwhile. The thread only runs on CPU time nothing else wants.
 - Freed activations. glibc hands freed blocks above its trim threshold back to
   the kernel, and serves large blocks from fresh mappings, so a 12 MiB

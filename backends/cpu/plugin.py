@@ -65,6 +65,7 @@ class CPUBackend(Backend):
     capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo")
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
     _executor: CPUExecutor | None = None   # this engine's, once `make_executor` made it
+    _prefault_kv_cache = False              # the engine's `CacheConfig.prefault_kv_cache`
 
     @classmethod
     def probe(cls) -> Availability:
@@ -116,18 +117,20 @@ class CPUBackend(Backend):
 
     def allocate_kv_cache(self, spec, num_blocks):
         """Uninitialised host memory (every slot is written before it is read),
-        except the null block, which padded requests may read. Its pages are
-        faulted in by a background thread (`host_memory`), not by the steps."""
+        except the null block, which padded requests may read. With
+        `prefault_kv_cache` a background thread maps its pages (`host_memory`)."""
         caches = [torch.empty(spec.layer_shape(num_blocks), dtype=spec.dtype) for _ in range(spec.num_layers)]
         for cache in caches:
             cache[:, NULL_BLOCK].zero_()
-        prefault_in_background(caches)
+        if self._prefault_kv_cache:
+            prefault_in_background(caches)
         return caches
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
 
     def make_executor(self, model, config):
+        self._prefault_kv_cache = config.cache.prefault_kv_cache   # read by allocate_kv_cache, which comes next
         self._executor = CPUExecutor(model, config)
         return self._executor
 

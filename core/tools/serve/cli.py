@@ -35,6 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, so the HTTP server and the engine never share a "
                         "GIL (default); --no-engine-process runs it in a thread of the server")
+    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="map the KV cache's pages in the background after start-up, so no step pays a first-touch "
+                        "page fault (default; host-memory backends)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -59,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
                          seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                          speculative_config=args.speculative_config,
-                         engine_process=args.engine_process)
+                         prefault_kv_cache=args.prefault_kv_cache, engine_process=args.engine_process)
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
