@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -41,7 +42,8 @@ def populate_supported() -> bool:
 def test_prefault_maps_every_page_and_keeps_the_contents():
     if not populate_supported():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    caches = [torch.empty(40 << 20, dtype=torch.uint8) for _ in range(2)]   # above mmap's threshold: fresh pages
+    maps = [mmap.mmap(-1, 40 << 20) for _ in range(2)]          # fresh anonymous pages, none resident yet
+    caches = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
     assert resident_fraction(caches[1]) < 0.5
     caches[0][:8192] = 7          # what the engine wrote before the thread got there
     caches[1][-100:] = 3
