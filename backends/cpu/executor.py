@@ -75,8 +75,8 @@ class ThreadGovernor:
     `stale_after` seconds between calls (the engine sat idle) the count starts
     again from every thread. What others did while we were idle says little
     about now: a benchmark client's start-up, or clients that wait on our tokens.
-    (Measured: the first requests of a serving run prefilled on one thread and
-    made rate 4's p99 TTFT 298 ms instead of ~200.)"""
+    (Measured: the first requests of a serving run prefilled on one thread, and
+    at rate 4 they were its slowest, at 296-298 ms to the first token.)"""
 
     def __init__(self, max_threads: int, interval: float = 0.5, stale_after: float = 2.0,
                  sample: Callable[[], tuple[float, float, float] | None] | None = None,
