@@ -235,8 +235,8 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
         return False
     return call(   # (not replayable: a capture that reached it would fail, not skip it)
         _lib.pr_prefill_attention_bf16, q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D,
-        query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), out.data_ptr(), out.stride(0),
-        r_begin, r_end, scale, window) == 0
+        query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window) == 0
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
