@@ -47,8 +47,10 @@ class OutputProcessor:
         first = children[0]
         # vLLM: detokenize=False leaves the text empty and every Logprob.decoded_token None
         decoder = self.tokenizer if first.params.detokenize else None
+        # the first prompt position has no logprob: a one-token prompt reports [None] (vLLM)
         self._parents[parent_id] = _Parent(parent_id, first.prompt, first.prompt_token_ids,
-                                           [c.request_id for c in children], stream, tokenizer=decoder)
+                                           [c.request_id for c in children], stream, tokenizer=decoder,
+                                           prompt_logprobs=None if first.params.prompt_logprobs is None else [None])
         if stream:
             self.streaming.update(c.request_id for c in children)
         for i, req in enumerate(children):
@@ -70,8 +72,6 @@ class OutputProcessor:
         parent = self._parents[self._parent_of[req_id]]
         if req_id != parent.children[0]:
             return  # siblings share the prompt
-        if parent.prompt_logprobs is None:
-            parent.prompt_logprobs = [None]
         parent.prompt_logprobs.extend(self.make_logprobs(*row, tokenizer=parent.tokenizer) for row in rows)
 
     def update(self, req: Request, new_ids: list[int],

@@ -341,7 +341,7 @@ class ModelRunner:
         last, self._last_decode = self._last_decode, None
         R, T = so.num_reqs, so.total_num_tokens
         T_pad, R_pad = self.buckets.pad(T, R)
-        self._decode_ready = all_decode = T == R and T_pad == T and R_pad == R
+        all_decode = T == R and T_pad == T and R_pad == R
         step = None
         if (all_decode and last is not None and not so.new_block_ids
                 and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
@@ -358,6 +358,9 @@ class ModelRunner:
             inputs = self._to_device(step)
             if write is not None:
                 write(inputs.input_ids)
+        # a one-token prefill chunk looks like a decode, but its sample is discarded:
+        # the next step's input is the prompt's next token, not that sample
+        self._decode_ready = all_decode and not step.discard.any()
         return step, inputs
 
     def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor):
