@@ -148,6 +148,8 @@ class LLM:
         """vLLM's offline beam search on top of `generate` (see `polyrunner.beam_search`).
         Returns per prompt the `beam_width` best sequences, best first; an invalid
         prompt gets no sequences (all prompts invalid: ValueError)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {_kind(params, 'BeamSearchParams')}")
         tokenizer = self.get_tokenizer()
         eos = tokenizer.eos_token_id if tokenizer is not None else next(iter(self.engine.arch.eos_token_ids), None)
 
@@ -158,26 +160,41 @@ class LLM:
         return beam_search(generate, prompt_list, params, eos, self.engine.max_model_len, tokenizer, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate
+        (`sampling_params`: one for all conversations, or a list of one each)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = _broadcast(sampling_params, len(conversations))   # a bad argument fails before templating
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
                    for text in (self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                                 for c in conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (vLLM's rule: one for all, or a list of one per prompt)."""
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    if not isinstance(params, (list, tuple)):
+        raise TypeError("sampling_params must be a SamplingParams or a list of SamplingParams (one per prompt), "
+                        f"got {_kind(params)}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {_kind(p)}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
-    return params
+    return list(params)
+
+
+def _kind(value: object, expected: str = "SamplingParams") -> str:
+    """What a caller passed, with the fix for the usual mistake (a dict of parameters)."""
+    hint = f" (pass {expected}(**that_dict))" if isinstance(value, dict) else ""
+    return f"{type(value).__name__}{hint}"
 
 
 def _rejected(rid: str, prompt: Prompt, exc: Exception) -> RequestOutput:

@@ -92,3 +92,37 @@ def test_request_larger_than_kv_cache(tiny_model_factory):
     llm = LLM(str(folder), backend="cpu", dtype="float32", kv_cache_memory_bytes=4 * 8192)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate({"prompt_token_ids": list(range(3, 100))}, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_tokens": 2}, r"^sampling_params must be a SamplingParams or a list of SamplingParams \(one per prompt\), "
+                        r"got dict \(pass SamplingParams\(\*\*that_dict\)\)$"),
+    ("greedy", r"^sampling_params must be a SamplingParams or a list of SamplingParams .*got str$"),
+    ([GREEDY, {"max_tokens": 2}], r"^sampling_params\[1\] must be a SamplingParams, got dict"),
+])
+def test_generate_rejects_what_is_not_sampling_params(llm, params, message):
+    prompts = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}]
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(TypeError, match=message):
+        next(llm.generate_stream(prompts, params))
+    assert not llm.engine.has_unfinished_requests()
+    outs = llm.generate(prompts, [GREEDY, GREEDY], use_tqdm=False)   # vLLM's list form: one per prompt
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+def test_beam_search_rejects_what_is_not_beam_search_params(llm):
+    with pytest.raises(TypeError, match=r"^params must be a BeamSearchParams, got dict "
+                                        r"\(pass BeamSearchParams\(\*\*that_dict\)\)$"):
+        llm.beam_search([{"prompt_token_ids": [5, 6]}], {"beam_width": 2})
+    with pytest.raises(TypeError, match="params must be a BeamSearchParams, got SamplingParams"):
+        llm.beam_search([{"prompt_token_ids": [5, 6]}], GREEDY)
+
+
+def test_chat_rejects_what_is_not_sampling_params_before_templating(llm, monkeypatch):
+    class NoTemplating:   # any use of the tokenizer fails the test: the check comes first
+        def __getattr__(self, name):
+            raise AssertionError(f"tokenizer.{name} used before the argument was checked")
+    monkeypatch.setattr(llm.engine, "tokenizer", NoTemplating())
+    with pytest.raises(TypeError, match=r"^sampling_params must be a SamplingParams or a list"):
+        llm.chat([{"role": "user", "content": "hi"}], {"max_tokens": 2})

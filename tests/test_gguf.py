@@ -11,6 +11,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +28,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from polyrunner.models.gguf import loader as gguf_loader  # noqa: E402
+from polyrunner.models.gguf import loader as gguf_loader, partial  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
 from polyrunner.models.gguf.loader import GGUFError, cached_gguf_folder, convert_gguf  # noqa: E402
 from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
@@ -587,6 +590,74 @@ def test_cache_ignores_partial_entries(small_file, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         cached_gguf_folder(other, cache)
     assert set(cache.iterdir()) == before
+
+
+# A conversion that writes half its output, says so, then hangs (to be killed mid-way).
+_HANGING_CONVERSION = """
+import sys, time
+from pathlib import Path
+from polyrunner.models.gguf import loader
+
+def hang(src, out):
+    Path(out, "model.safetensors").write_bytes(b"half written")
+    Path(sys.argv[3]).write_text("converting")
+    time.sleep(600)
+
+loader.convert_gguf = hang
+loader.cached_gguf_folder(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_conversion_killed_by_sigkill_is_reclaimed_by_the_next(small_file, tmp_path):
+    cache, started = tmp_path / "cache", tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", _HANGING_CONVERSION, str(small_file), str(cache), str(started)])
+    other = tmp_path / "other.gguf"
+    other.write_bytes(small_file.read_bytes())
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None, "the converting process exited early"
+            assert time.monotonic() < deadline, "the converting process never started converting"
+            time.sleep(0.05)
+        [left] = cache.glob(".*.partial")
+        cached_gguf_folder(other, cache)   # another conversion leaves a live owner's folder alone
+        assert left.is_dir()
+    finally:
+        proc.kill()   # SIGKILL: no cleanup code runs
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL and left.is_dir()
+    folder = cached_gguf_folder(small_file, cache)   # the next conversion reclaims it at once
+    assert not left.exists()
+    assert (folder / gguf_loader.MARKER_FILE).is_file() and not (folder / partial.OWNER_FILE).exists()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, cached_gguf_folder(other, cache).name])
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("owner, age_days, reclaimed", [
+    (lambda: {**partial.this_process(), "pid": _dead_pid()}, 0, True),           # owner gone
+    (lambda: {**partial.this_process(), "start_time": -1}, 0, True),             # pid reused by another process
+    (lambda: {**partial.this_process(), "boot_id": "an-earlier-boot"}, 0, True),  # rebooted since
+    (partial.this_process, 0, False),                                            # owner alive
+    (partial.this_process, 3, False),                                            # alive, however long it takes
+    (lambda: {**partial.this_process(), "host": "elsewhere"}, 0, False),         # cannot tell: by age
+    (lambda: {**partial.this_process(), "host": "elsewhere"}, 2, True),
+    (None, 0, False),                                                            # no record (older versions)
+    (None, 2, True),
+])
+def test_partial_folder_is_reclaimed_when_its_owner_is_gone(tmp_path, owner, age_days, reclaimed):
+    folder = tmp_path / ".m-0123.x.partial"
+    folder.mkdir()
+    if owner is not None:
+        (folder / partial.OWNER_FILE).write_text(json.dumps(owner()))
+    stamp = time.time() - age_days * 86400
+    os.utime(folder, (stamp, stamp))
+    assert partial.reclaim_abandoned([folder]) == ([folder] if reclaimed else [])
+    assert folder.exists() != reclaimed
 
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):

@@ -21,7 +21,7 @@ from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.gguf.quantized import quantizer, select_quantization
-from polyrunner.models.loader import checkpoint_dtype, load_model, read_hf_config
+from polyrunner.models.loader import checkpoint_dtype, load_model, read_model_config
 from polyrunner.models.registry import resolve_model_class
 from polyrunner.models.source import resolve_model_folder
 from polyrunner.plugins import get_plugin_manager, select_backend
@@ -46,8 +46,8 @@ class LoadedModel:
 
 def read_arch(config: EngineConfig) -> tuple[Path, dict[str, Any], DecoderArch]:
     folder = resolve_model_folder(config.model.model)
-    hf_config = read_hf_config(folder)
-    return folder, hf_config, DecoderArch.from_hf_config(hf_config)
+    hf_config, arch = read_model_config(folder)   # checked, also against the checkpoint's shapes
+    return folder, hf_config, arch
 
 
 def max_model_len(arch: DecoderArch, config: EngineConfig) -> int:

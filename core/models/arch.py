@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from polyrunner.models.hf_config import HFDecoderConfig
 
 
 @dataclass(frozen=True)
@@ -33,50 +34,48 @@ class DecoderArch:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "DecoderArch":
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        model_type = cfg.get("model_type", "llama")
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-        layers = cfg["num_hidden_layers"]
-        eos = cfg.get("eos_token_id")
+    def from_hf_config(cls, cfg: dict[str, Any], source: str | Path = "config.json") -> "DecoderArch":
+        """The architecture a parsed config.json describes. Every field read is
+        checked first (`HFDecoderConfig`): a bad one raises ModelFileError (a
+        ValueError; ModelConfigTypeError, also a TypeError, for a wrong type)
+        naming `source` and the field."""
+        c = HFDecoderConfig.from_file_dict(cfg, source)
+        rope = dict(cfg[c.rope_field]) if c.rope_field else {}   # its values checked by `c.rope`
+        rope_theta = float(rope.pop("rope_theta", None) or c.rope_theta or 10000.0)
+        rope_type = c.rope.kind if c.rope is not None else "default"
+        eos = c.eos_token_id
         return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            architecture=(c.architectures or ["LlamaForCausalLM"])[0],
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+            head_dim=c.resolved_head_dim,
+            rms_norm_eps=c.rms_norm_eps,
             rope_theta=rope_theta,
             rope_scaling=dict(rope, rope_type=rope_type) if rope_type != "default" else None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            sliding_windows=_sliding_windows(cfg, model_type, layers),
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+            qkv_bias=c.model_type == "qwen2" or c.attention_bias,
+            o_bias=c.model_type != "qwen2" and c.attention_bias,
+            mlp_bias=c.mlp_bias,
+            qk_norm=c.model_type == "qwen3",
+            sliding_windows=_sliding_windows(c),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
 
 
-def _sliding_windows(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
+def _sliding_windows(c: HFDecoderConfig) -> tuple[int | None, ...]:
+    window, layers = c.sliding_window, c.num_hidden_layers
     if window is None:
         return (None,) * layers
-    if "layer_types" in cfg and cfg["layer_types"]:
-        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
-    if model_type in ("qwen2", "qwen3"):
-        if not cfg.get("use_sliding_window", False):
+    if c.layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in c.layer_types)
+    if c.model_type in ("qwen2", "qwen3"):
+        if not c.use_sliding_window:
             return (None,) * layers
-        start = cfg.get("max_window_layers", layers)
+        start = layers if c.max_window_layers is None else c.max_window_layers
         return tuple(window if i >= start else None for i in range(layers))
     return (window,) * layers

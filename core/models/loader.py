@@ -1,25 +1,36 @@
-"""Load a Llama-family model from a local Hugging Face folder (safetensors only)."""
+"""Load a Llama-family model from a local Hugging Face folder (safetensors only).
+
+A bad file fails before anything is allocated, with an error naming the file
+(and the config field): config.json that is not JSON or holds a bad value
+(`hf_config.py`), a corrupt or truncated safetensors shard, a checkpoint whose
+tensor shapes do not match config.json (`read_model_config`).
+"""
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from polyrunner.models.arch import DecoderArch
+from polyrunner.models.hf_config import HFDecoderConfig, ModelConfigTypeError, ModelFileError, read_json_file
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The folder's config.json as a dict (its fields are checked by `DecoderArch.from_hf_config`)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
     cfg = folder / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"model folder {str(folder)!r} has no config.json")
-    return json.loads(cfg.read_text())
+    raw = read_json_file(cfg)
+    if not isinstance(raw, dict):
+        raise ModelConfigTypeError(f"{cfg}: must hold a JSON object, got {type(raw).__name__}", cfg)
+    return raw
 
 
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,8 +50,16 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        raw = read_json_file(index)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelFileError(f"{index}: field 'weight_map' must be an object of tensor name -> shard file "
+                                 f"name, got {type(weight_map).__name__}", index, "weight_map")
+        files = [folder / n for n in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index}: lists shard {f.name!r}, which is not in {str(folder)!r}")
+        return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
@@ -49,14 +68,81 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
+def _open(path: Path) -> Any:
+    """`safe_open`, whose errors (a corrupt, truncated or unreadable shard) name the file."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise ModelFileError(f"{path}: corrupt or truncated safetensors file ({exc})", path) from None
+
+
+def _read(f: Any, path: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, RuntimeError, TypeError) as exc:
+        raise ModelFileError(f"{path}: cannot read tensor {name!r} ({type(exc).__name__}: {exc})", path) from None
+
+
 def iter_weights(folder: str | Path, dtype: torch.dtype,
                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in `dtype`, except those named in `skip` (never read)."""
     for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        with _open(path) as f:
             for name in f.keys():
                 if name not in skip:
-                    yield name, f.get_tensor(name).to(dtype)
+                    yield name, _read(f, path, name).to(dtype)
+
+
+def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
+    """Every tensor's shape and shard file, from the safetensors headers (no tensor is read)."""
+    shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for path in safetensors_files(folder):
+        with _open(path) as f:
+            for name in f.keys():
+                shapes[name] = (tuple(f.get_slice(name).get_shape()), path)
+    return shapes
+
+
+def read_model_config(folder: str | Path) -> tuple[dict[str, Any], DecoderArch]:
+    """The folder's config.json and the architecture it describes, checked field by
+    field and against the checkpoint's tensor shapes first (nothing is allocated)."""
+    raw, path = read_hf_config(folder), Path(folder) / "config.json"
+    check_checkpoint_shapes(folder, HFDecoderConfig.from_file_dict(raw, path))
+    return raw, DecoderArch.from_hf_config(raw, path)
+
+
+def check_checkpoint_shapes(folder: str | Path, cfg: HFDecoderConfig) -> None:
+    """Compare config.json with the checkpoint's tensor shapes (from the safetensors
+    headers): a size the checkpoint does not have (vocab_size 10**12 over a
+    512-row embedding) is a ModelFileError naming the config field, not an
+    allocator failure. Tensors the checkpoint lacks are left to `load_weights`."""
+    config = Path(folder) / "config.json"
+    shapes = checkpoint_shapes(folder)
+    heads, head_dim = cfg.num_attention_heads, cfg.resolved_head_dim
+    kv = cfg.num_key_value_heads or heads
+    rules = [  # (tensor, dimension, config field, expected size, how it follows from the config)
+        ("model.embed_tokens.weight", 0, "vocab_size", cfg.vocab_size, ""),
+        ("model.embed_tokens.weight", 1, "hidden_size", cfg.hidden_size, ""),
+        ("lm_head.weight", 0, "vocab_size", cfg.vocab_size, ""),
+        ("model.layers.0.self_attn.q_proj.weight", 0, "num_attention_heads", heads * head_dim,
+         f" (num_attention_heads {heads} x head_dim {head_dim})"),
+        ("model.layers.0.self_attn.k_proj.weight", 0, "num_key_value_heads", kv * head_dim,
+         f" (num_key_value_heads {kv} x head_dim {head_dim})"),
+        ("model.layers.0.mlp.gate_proj.weight", 0, "intermediate_size", cfg.intermediate_size, ""),
+    ]
+    for name, dim, field, want, how in rules:
+        if name in shapes:
+            shape, path = shapes[name]
+            if len(shape) != 2 or shape[dim] != want:
+                raise ModelFileError(f"{config}: config field {field!r} does not match the checkpoint: tensor "
+                                     f"{name!r} in {path} has shape {list(shape)}, the config implies dimension "
+                                     f"{dim} = {want}{how}", config, field)
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    n = cfg.num_hidden_layers
+    if layers and (len(layers) != n or max(layers) != n - 1):   # not 0..n-1
+        raise ModelFileError(f"{config}: config field 'num_hidden_layers' ({n}) does not match the "
+                             f"checkpoint, which holds layers {min(layers)}..{max(layers)} ({len(layers)} layers)",
+                             config, "num_hidden_layers")
 
 
 def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
@@ -64,7 +150,8 @@ def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: 
                prepare: Callable[[torch.nn.Module], Iterable[str]] | None = None, **parallel: Any) -> torch.nn.Module:
     """Build `model_cls` on `device` in `dtype` and load the folder's weights.
     `prepare(model)`, called before any weight is read, may replace modules and
-    returns the checkpoint names it made unneeded (they are not read)."""
+    returns the checkpoint names it made unneeded (they are not read).
+    `read_model_config` gives an `arch` whose sizes the checkpoint's tensors have."""
     with torch.device("meta"):  # no random init: every parameter is loaded below
         model = model_cls(arch, attn_op, max_positions, **parallel)   # tensor-parallel: shard, all_reduce
     for param in model.parameters():  # on meta: free; buffers (rotary tables) stay float32, like Hugging Face

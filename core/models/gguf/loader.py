@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrunner.models.gguf import partial
 from polyrunner.models.gguf.errors import GGUFError
 from polyrunner.models.gguf.vocab import build_tokenizer
 
@@ -140,7 +141,9 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
     The cache entry is keyed by the file's absolute path, size and mtime (and
     the conversion version), so an edited or replaced file is converted again.
     A conversion is written into a temporary folder, completed with a marker
-    file, then renamed into place: a half-written entry is never used. A hit
+    file, then renamed into place: a half-written entry is never used; the
+    temporary folder of a killed conversion is deleted by the next conversion
+    once its owner process is gone (`partial.py`). A hit
     costs a few `stat` calls and imports nothing.
     """
     src = Path(path).expanduser().resolve()
@@ -155,14 +158,10 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
         return folder
 
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(f".{folder.name}.*.partial"):  # left by a crashed conversion a day ago or more
-        try:
-            if time.time() - stale.stat().st_mtime > 86400:
-                shutil.rmtree(stale, ignore_errors=True)
-        except OSError:
-            pass
+    partial.reclaim_abandoned(root.glob(".*.partial"))  # left by killed conversions (see partial.py)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=root))
     try:
+        partial.claim(tmp)
         started = time.perf_counter()
         convert_gguf(src, tmp)
         marker = {
@@ -171,6 +170,7 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
             "seconds": round(time.perf_counter() - started, 3),
         }
         _write_json(tmp / MARKER_FILE, marker)
+        partial.release(tmp)
         if folder.exists() and not (folder / MARKER_FILE).is_file():
             shutil.rmtree(folder, ignore_errors=True)  # leftover without a marker: never complete
         try:
