@@ -154,6 +154,58 @@ class RaisingProbeBackend(CPUBackend):
         return Availability(True)
 
 
+class LeakingExecutor(GraphExecutor):
+    """Bug: keeps a tensor of `numel` float32s per step (e.g. a debugging history)."""
+
+    numel = 1 << 20   # 4 MiB
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.kept = []
+
+    def run(self, inputs):
+        self.kept.append(torch.ones(self.numel))
+        return super().run(inputs)
+
+
+class LeakingBackend(CPUBackend):
+    name = "broken_leak"
+    priority = -100
+    capabilities = Capabilities(graph_mode="eager")
+
+    def make_executor(self, model, config):
+        return LeakingExecutor(model)
+
+
+class SmallLeakExecutor(LeakingExecutor):
+    numel = 16        # 64 bytes a step: no byte bound sees it, the number of tensors does
+
+
+class SmallLeakBackend(LeakingBackend):
+    name = "broken_small_leak"
+
+    def make_executor(self, model, config):
+        return SmallLeakExecutor(model)
+
+
+class WorkspaceExecutor(GraphExecutor):
+    """Healthy: a 256 MiB start-up workspace, freed before the first step."""
+
+    def prepare(self, run_dummy, buckets):
+        workspace = [torch.ones(1 << 20) for _ in range(64)]
+        del workspace
+        return super().prepare(run_dummy, buckets)
+
+
+class WorkspaceBackend(CPUBackend):
+    name = "big_workspace"
+    priority = -100
+    capabilities = Capabilities(graph_mode="eager")
+
+    def make_executor(self, model, config):
+        return WorkspaceExecutor(model)
+
+
 # ---- the suite catches each one in its group -----------------------------------------
 BROKEN = [
     (TooSmallBucketBackend, "buckets", ["pad_covers_every_legal_batch"]),
@@ -162,6 +214,8 @@ BROKEN = [
     (StaleReplayBackend, "execution", ["prepared_equals_eager"]),
     (GrowingGraphsBackend, "execution", ["no_new_graphs_after_warmup"]),
     (RaisingProbeBackend, "registration", ["probe_never_raises", "available_here"]),
+    (LeakingBackend, "hygiene", ["no_memory_growth"]),
+    (SmallLeakBackend, "hygiene", ["no_memory_growth"]),
 ]
 
 
@@ -184,6 +238,29 @@ def test_null_block_failure_names_the_overwritten_block(registered):
     assert "request 0's block" in detail and "null block" in detail
 
 
+def test_leak_is_caught_after_other_backends_in_the_same_process(registered):
+    """The leak check measures what is held, not the process's RSS: after other
+    backends freed memory in this process (the CPU backend's engine keeps freed
+    memory mapped, and a backend with a 256 MiB start-up workspace freed it), a
+    4 MiB-a-step leak reuses those pages and grows no RSS at all ("RSS +0.0 MiB",
+    passed, with the RSS-based check), yet its live tensors grow."""
+    for healthy in ("cpu", registered(WorkspaceBackend)):
+        report = run_conformance(healthy, groups=["hygiene"])
+        assert report.passed, [(r.id, r.detail) for r in report.failures()]
+    report = run_conformance(registered(LeakingBackend), groups=["hygiene"])
+    result = report.get("no_memory_growth")
+    assert result.outcome == "failed", result
+    assert result.detail.startswith("live tensors on cpu grew by"), result.detail
+    assert "x float32 (1048576,) (4.00 MiB) on cpu" in result.detail   # it names what is kept
+    assert report.get("blocks_and_states_released").outcome == "passed"
+
+
+def test_small_leak_is_caught_by_the_tensor_count(registered):
+    result = run_conformance(registered(SmallLeakBackend), checks=["hygiene::no_memory_growth"]).results[0]
+    assert result.outcome == "failed", result
+    assert "more live tensors" in result.detail and "float32 (16,)" in result.detail, result.detail
+
+
 def test_healthy_variants_of_the_broken_plugins_pass(registered):
     """Control: the same plumbing with the bug fixed passes the targeted groups,
     so the failures above come from the bugs, not from the harness."""
@@ -196,7 +273,7 @@ def test_healthy_variants_of_the_broken_plugins_pass(registered):
         def bucket_policy(self, config):
             return _padded_policy(config)
 
-    report = run_conformance(registered(FixedPadded), groups=["buckets", "kv_cache", "execution"])
+    report = run_conformance(registered(FixedPadded), groups=["buckets", "kv_cache", "execution", "hygiene"])
     assert report.passed, [(r.id, r.detail) for r in report.failures()]
 
 

@@ -37,6 +37,7 @@ def test_cli_lists_checks(capsys):
     out = capsys.readouterr().out
     assert "buckets::pad_covers_every_legal_batch" in out
     assert "execution::no_new_graphs_after_warmup" in out and "requires counts_graphs" in out
+    assert "end_to_end::structured_outputs" in out and "[needs xgrammar (polyrunner[structured])]" in out
 
 
 def test_cli_unknown_backend_exits_nonzero(capsys):

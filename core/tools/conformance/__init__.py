@@ -25,9 +25,12 @@ Checks are plain functions grouped by module, both front-ends run them:
                   schema, regex, choice) hold on every output
     hygiene       all KV blocks free and no request state after a run; no memory growth
 
-A check is skipped only when the backend's declared `Capabilities` excuse it;
-the report names the capability. The suite writes its own tiny random Llama
-(plain torch + safetensors; transformers is not needed).
+A check is skipped only when the backend's declared `Capabilities` excuse it
+(the report names the capability) or when its feature needs an optional
+package that is not installed (the report names the package and the extra:
+"xgrammar is not installed: pip install 'polyrunner[structured]'"). The suite
+writes its own tiny random Llama (plain torch + safetensors; transformers is
+not needed).
 """
 
 from __future__ import annotations

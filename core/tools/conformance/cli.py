@@ -54,6 +54,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.list:
         for c in select_checks(args.group, args.check):
             req = f"  [requires {', '.join(c.requires)}]" if c.requires else ""
+            if c.packages:
+                req += "  [needs " + ", ".join(f"{p} (polyrunner[{e}])" if e else p for p, e in c.packages) + "]"
             print(f"{c.id}: {c.doc}{req}")
         return 0
     if any(g not in GROUPS for g in args.group):

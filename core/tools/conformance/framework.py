@@ -3,15 +3,22 @@
 A check is a plain function `fn(ctx) -> str | None` registered with
 `@check(group, requires=...)`. It passes by returning (optionally a short
 note), fails by raising `CheckFailure` (or any AssertionError), and errors
-on any other exception. A check may be skipped ONLY through `requires`:
-capability requirements read from the backend's declared `Capabilities`, so
-the report can say which capability excused it. Requirements:
+on any other exception. A check may be skipped ONLY through `requires`
+(capability requirements read from the backend's declared `Capabilities`, so
+the report can say which capability excused it) or through `packages`
+(optional packages its feature needs, see below). Requirements:
 
     "counts_graphs", "static_shapes"                   a truthy capability flag
     "sampling:<feature>"                               feature in capabilities.sampling
     "dtype:<name>"                                     torch.<name> in capabilities.dtypes
     "devices:<n>"                                      Backend.device_count() >= n on this host
     "!static_shapes"                                   a falsy capability flag (the feature is refused there)
+
+`packages={"xgrammar": "structured"}`: the feature the check covers needs the
+optional package `xgrammar` (an import name), installed by the extra
+`polyrunner[structured]`. Where it is not installed the check is skipped, the
+reason naming the package and the extra; an installed package that fails to
+import is no excuse (the check runs and reports the error).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import fnmatch
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
     from polyrunner.device.backend import Capabilities
@@ -52,6 +59,7 @@ class Check:
     func: Callable[["ConformanceContext"], str | None]
     requires: tuple[str, ...] = ()
     doc: str = ""
+    packages: tuple[tuple[str, str], ...] = ()   # (import name, polyrunner extra that installs it)
 
     @property
     def id(self) -> str:
@@ -61,15 +69,21 @@ class Check:
 _CHECKS: dict[str, Check] = {}
 
 
-def check(group: str, *, requires: Iterable[str] = ()) -> Callable:
-    """Register `fn` as check `<group>::<fn name without a leading check_>`."""
+def check(group: str, *, requires: Iterable[str] = (), packages: Mapping[str, str] | None = None) -> Callable:
+    """Register `fn` as check `<group>::<fn name without a leading check_>`.
+    `packages`: optional packages the checked feature needs, import name -> the
+    polyrunner extra that installs it (skipped where one is not installed)."""
     if group not in GROUPS:
         raise ValueError(f"unknown check group {group!r}; groups: {GROUPS}")
+    pkgs = tuple((str(k), str(v)) for k, v in (packages or {}).items())
+    bad = [k for k, _ in pkgs if not k.isidentifier()]
+    if bad:
+        raise ValueError(f"packages are named by their top-level import name; not {bad}")
 
     def deco(fn: Callable) -> Callable:
         name = fn.__name__.removeprefix("check_")
         doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        c = Check(group, name, fn, tuple(requires), doc)
+        c = Check(group, name, fn, tuple(requires), doc, pkgs)
         _CHECKS[c.id] = c
         return fn
 
@@ -129,6 +143,29 @@ def unmet_requirements(caps: "Capabilities", requires: Iterable[str],
     return unmet
 
 
+def install_hint(package: str, extra: str) -> str:
+    return f"pip install 'polyrunner[{extra}]'" if extra else f"pip install {package}"
+
+
+def missing_packages(packages: Iterable[tuple[str, str]]) -> list[str]:
+    """Reasons, one per optional package (import name, extra) that is not
+    installed here: "<package> is not installed: pip install 'polyrunner[<extra>]'".
+    A package that is installed but fails to import is not missing: the check
+    then runs into the import error and reports it."""
+    import importlib
+    missing = []
+    for package, extra in packages:
+        try:
+            importlib.import_module(package)
+        except ModuleNotFoundError as exc:
+            if exc.name != package:
+                continue   # installed, but one of ITS imports is missing: a broken install, not an excuse
+            missing.append(f"{package} is not installed: {install_hint(package, extra)}")
+        except Exception:  # noqa: BLE001 - broken install: the check reports it
+            continue
+    return missing
+
+
 @dataclass
 class CheckResult:
     group: str
@@ -136,7 +173,8 @@ class CheckResult:
     outcome: str            # passed | failed | error | skipped
     detail: str = ""
     seconds: float = 0.0
-    excused_by: str = ""    # for skipped checks: the capability that excused it
+    excused_by: str = ""    # for skipped checks: the capability (or missing package) that excused it
+    package_missing: bool = False   # skipped because an optional package is not installed
 
     @property
     def id(self) -> str:
@@ -155,7 +193,8 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        """True when no check failed or errored (skips are excused by capabilities)."""
+        """True when no check failed or errored (skips are excused by capabilities or
+        by optional packages that are not installed)."""
         return bool(self.results) and all(r.ok for r in self.results)
 
     def group(self, name: str) -> list[CheckResult]:
@@ -191,6 +230,11 @@ def run_check(c: Check, ctx: "ConformanceContext") -> CheckResult:
                  else ["no capabilities"])
         if unmet:
             return CheckResult(c.group, c.name, SKIPPED, "not applicable", 0.0, "; ".join(unmet))
+    if c.packages:
+        missing = missing_packages(c.packages)
+        if missing:
+            return CheckResult(c.group, c.name, SKIPPED, "optional package not installed",
+                               time.perf_counter() - t0, "; ".join(missing), package_missing=True)
     try:
         note = c.func(ctx)
         outcome, detail = PASSED, note or ""

@@ -6,7 +6,9 @@ Options: `--backend NAME` (required to run anything), `--conformance-plugin
 MODULE[:ATTR]` (register a plugin at run time first; repeatable),
 `--conformance-group GROUP` (repeatable), `--conformance-threads N`. Items are named
 `test_conformance[<group>::<check>]`; a check excused by a declared
-capability is reported as skipped with that capability as the reason.
+capability is reported as skipped with that capability as the reason; one whose
+feature needs an optional package that is not installed, as skipped naming the
+package and the extra that installs it.
 
 Not registered as a `pytest11` entry point on purpose: it adds a `--backend`
 option, which must not appear in (or clash with) unrelated pytest runs.
@@ -64,6 +66,6 @@ def run_one(check, ctx) -> None:
     from polyrunner.tools.conformance.framework import PASSED, SKIPPED, run_check
     result = run_check(check, ctx)
     if result.outcome == SKIPPED:
-        pytest.skip(f"excused: {result.excused_by}")
+        pytest.skip(result.excused_by if result.package_missing else f"excused: {result.excused_by}")
     if result.outcome != PASSED:
         pytest.fail(f"[{result.id}] {result.outcome}: {result.detail}", pytrace=False)

@@ -30,14 +30,21 @@ def format_report(report: Report, verbose: bool = False) -> str:
         lines.append(f"[{group}] {summary}")
         rows = [("check", "result", "time", "detail")]
         for r in results:
-            detail = f"excused: {r.excused_by}" if r.outcome == SKIPPED else r.detail
+            detail = r.detail
+            if r.outcome == SKIPPED:   # "excused: <capability>" or "<package> is not installed: <how>"
+                detail = r.excused_by if r.package_missing else f"excused: {r.excused_by}"
             rows.append((r.name, MARK[r.outcome], f"{r.seconds:.2f}s", detail if verbose else _short(detail)))
         lines += _table(rows)
     skipped = [r for r in report.results if r.outcome == SKIPPED]
+    by_capability = [r for r in skipped if not r.package_missing]
+    by_package = [r for r in skipped if r.package_missing]
     lines.append("")
-    if skipped:
+    if by_capability:
         lines.append("skipped (excused by declared capabilities):")
-        lines += [f"  {r.id}: {r.excused_by}" for r in skipped]
+        lines += [f"  {r.id}: {r.excused_by}" for r in by_capability]
+    if by_package:
+        lines.append("skipped (optional packages not installed):")
+        lines += [f"  {r.id}: {r.excused_by}" for r in by_package]
     failed = report.failures()
     n = len(report.results)
     if failed:

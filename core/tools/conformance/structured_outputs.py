@@ -3,7 +3,8 @@ choice constraints hold on every output, greedy and seeded, so the grammar's
 token bitmask reached the backend's sampler; an invalid constraint is refused
 before scheduling. The tiny model gets a byte-level tokenizer of its own (ASCII
 characters plus a few multi-character tokens, fewer ids than the model's
-vocabulary, so the mask's padding is exercised). Registered in `end_to_end`."""
+vocabulary, so the mask's padding is exercised). Registered in `end_to_end`;
+skipped where xgrammar (the extra `polyrunner[structured]`) is not installed."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _valid_json(text: str) -> bool:
             and 0 <= v["n"] <= 99 and v["color"] in ("red", "blue") and isinstance(v["ok"], bool))
 
 
-@check("end_to_end", requires=("sampling:structured_outputs",))
+@check("end_to_end", requires=("sampling:structured_outputs",), packages={"xgrammar": "structured"})
 def check_structured_outputs(ctx) -> str:
     """JSON-schema, regex and choice outputs match their constraint (greedy and, where
     the device seeds, random); an invalid regex is refused before scheduling."""
