@@ -76,7 +76,7 @@ def test_structured_outputs_extra_body(client):
 
 @pytest.mark.parametrize("kw, field, param", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}),
-     "structured_outputs.json", "structured_outputs"),
+     "structured_outputs.json", "response_format"),   # the param names the field the client sent
     (dict(extra_body={"structured_outputs": {"regex": "a(b"}}), "structured_outputs.regex", "structured_outputs"),
     (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
      "You can only use one kind of structured outputs constraint", "structured_outputs"),

@@ -139,6 +139,12 @@ class RequestStream:
             raise error
         raise StopAsyncIteration
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (call on its loop): the consumer reads what came
+        before, then `error`. The engine request is not aborted: see `AsyncLLM.abort`."""
+        if not self.done:
+            self.queue.put_nowait(error)
+
 
 class AsyncLLM:
     """An engine serving concurrent async callers.

@@ -9,8 +9,11 @@ in-process engine cores.
         report(events, counts)     # events in order; counts after them
 
 Events are ("rejected", request_id, (error type, message)) for an add the
-engine refused (the request fails alone), ("aborted", request_id) once an abort
-freed the request's blocks, and ("outputs", [RequestOutput]) for a step. A
+engine refused (the request fails alone) — at once, or, for a structured-output
+request whose grammar compiles off the step (`wait_for_grammar=False`: adds
+never wait for a compile), from the step that found the grammar invalid or too
+slow (before any output of it) — ("aborted", request_id) once an abort freed
+the request's blocks, and ("outputs", [RequestOutput]) for a step. A
 "stop" aborts every request, reports them and ends the loop. An exception from
 `engine.step()` ends the loop too: the caller reports the engine dead.
 """
@@ -122,11 +125,21 @@ class EngineLoop:
                 self._apply(cmd, events)
             if engine.has_unfinished_requests():
                 outs = engine.step()
+                if engine.rejected:
+                    outs = self._rejections(outs, events)
                 for out in outs:
                     if out.finished:
                         self.active.discard(out.request_id)
                 events.append(("outputs", outs))
             self.report(events, self.counts())
+
+    def _rejections(self, outs: list, events: list[Event]) -> list:
+        """Report the step's rejected requests (grammar failures) as "rejected", not as outputs."""
+        rejected = {rid: error for rid, error in self.engine.rejected}
+        for rid, error in rejected.items():
+            self.active.discard(rid)
+            events.append(("rejected", rid, (type(error).__name__, str(error))))
+        return [out for out in outs if out.request_id not in rejected]
 
     def _apply(self, cmd: Command, events: list[Event]) -> None:
         if cmd[0] == "abort":
@@ -135,7 +148,8 @@ class EngineLoop:
         _, rid, prompt, params, priority = cmd
         self.adds_applied += sequences(params)
         try:
-            self.engine.add_request(prompt, params, request_id=rid, stream=True, priority=priority)
+            self.engine.add_request(prompt, params, request_id=rid, stream=True, priority=priority,
+                                    wait_for_grammar=False)
         except Exception as exc:   # noqa: BLE001 - a bad request fails alone
             self.engine.abort_request(rid)   # drop any half-made state
             events.append(("rejected", rid, (type(exc).__name__, str(exc))))
@@ -151,7 +165,7 @@ class EngineLoop:
     def counts(self) -> CoreCounts:
         eng = self.engine
         sched, pool = eng.scheduler, eng.kv.pool
-        return CoreCounts(len(sched.running), len(sched.waiting), sched.num_preemptions, pool.num_free_blocks,
+        return CoreCounts(len(sched.running), sched.num_waiting, sched.num_preemptions, pool.num_free_blocks,
                           pool.num_usable_blocks, self.adds_applied, sched.num_unfinished,
                           eng.runner.states.num_active, _spec_counts(eng))
 

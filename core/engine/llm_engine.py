@@ -2,7 +2,17 @@
 return outputs. One `step()` runs one batch; with asynchronous scheduling
 (`async_scheduling`, by default the backend's capability) it first queues the
 next batch, so the host schedules and prepares step N+1 while step N runs on the
-device, and returns step N's outputs."""
+device, and returns step N's outputs.
+
+Structured-output grammars compile in a worker pool (`GrammarCompilePool`).
+`add_request(..., wait_for_grammar=False)` (the serving loop's way) returns at
+once: the request waits in status WAITING_FOR_FSM, skipped by the scheduler,
+while the others step; each `step()` first collects the grammars that became
+ready (those requests are queued) and the requests whose grammar failed or ran
+past `grammar_compile_timeout_s` (they finish alone with a ValueError's
+message as their `error`, listed in `rejected`). The default
+`wait_for_grammar=True` blocks for the grammar instead and raises the ValueError
+from `add_request`, as for any invalid parameter."""
 
 from __future__ import annotations
 
@@ -30,6 +40,8 @@ from polyrunner.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+GRAMMAR_POLL_S = 0.02   # a step with only grammars to wait for sleeps at most this long for one
+
 Prompt = str | dict[str, Any]
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"   # vLLM's wording
 
@@ -42,6 +54,7 @@ def _short(value: Any, limit: int = 40) -> str:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.grammar_pool = None   # GrammarCompilePool, made with the first structured-output request
         self.backend = select_backend(config.runner.backend)
         get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
         self._check_speculative()
@@ -69,7 +82,8 @@ class LLMEngine:
         self._eos = self._eos_ids()
         self._ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None   # asynchronous only
-        self._grammars = None   # GrammarCompiler, with the first structured-output request
+        self._grammar_waiters: dict[str, list[Request]] = {}   # request id -> its children, while compiling
+        self.rejected: list[tuple[str, ValueError]] = []   # failed for their grammar in the last step()
         logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
                     self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
 
@@ -114,6 +128,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers (nothing to do on one device). Idempotent."""
         if self.tp_driver is not None:
             _stop_tensor_parallel(self.tp_driver, self.backend)
+        if self.grammar_pool is not None:
+            self.grammar_pool.shutdown()
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
@@ -127,10 +143,14 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = False, priority: int = 0) -> str:
+                    request_id: str | None = None, stream: bool = False, priority: int = 0, *,
+                    wait_for_grammar: bool = True) -> str:
         """Validate and queue a request; raises ValueError before anything is scheduled.
         `stream`: `step()` reports it every step, not only when finished.
-        `priority`: with scheduling_policy="priority", lower values run first."""
+        `priority`: with scheduling_policy="priority", lower values run first.
+        `wait_for_grammar`: with structured outputs, True compiles the grammar now
+        (ValueError if invalid or past the time limit); False returns at once and
+        the grammar compiles off the step (see the module docstring)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, ids = self._tokenize(prompt)
@@ -149,6 +169,8 @@ class LLMEngine:
             if params.bad_words:
                 child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
             children.append(child)
+        if params.structured_outputs is not None:
+            self._attach_grammar(request_id, params, children, wait_for_grammar)
         self.outputs.add(request_id, children, stream)
         for child in children:
             self.scheduler.add_request(child)
@@ -214,23 +236,64 @@ class LLMEngine:
         if missing:
             raise ValueError(f"backend {self.backend.name!r} does not support sampling features "
                              f"{sorted(missing)} on its device")
-        if params.structured_outputs is not None:
-            self._compile_structured(params)
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer; this model has none")
         total = min(self.max_model_len, len(ids) + (params.max_tokens or self.max_model_len))
         need = cdiv(total, self.config.cache.block_size)
         if need > self.kv.pool.num_usable_blocks:
             raise ValueError(f"request needs {need} KV blocks but the cache holds only "
                              f"{self.kv.pool.num_usable_blocks}; raise kv_cache_memory_bytes")
 
-    def _compile_structured(self, params: SamplingParams) -> None:
-        """Compile the request's constraint (cached by the compiler) before it is scheduled;
-        ValueError naming the field (`structured_outputs.json`, ...) if it is invalid."""
-        if self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer; this model has none")
-        if self._grammars is None:
-            from polyrunner.structured.compiler import GrammarCompiler
-            self._grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self._eos)
-        params.structured_outputs.compiled = self._grammars.compile(params.structured_outputs)
+    # ---- structured-output grammars ------------------------------------------------
+    def _attach_grammar(self, request_id: str, params: SamplingParams, children: list[Request],
+                        wait: bool) -> None:
+        """Give the children the request's compiled grammar when it is cached (or, with
+        `wait`, once compiled); else they wait in status WAITING_FOR_FSM while it
+        compiles in the pool. ValueError naming the field (`structured_outputs.json`,
+        ...) for a constraint found invalid now."""
+        if self.grammar_pool is None:
+            from polyrunner.structured.compile_pool import GrammarCompilePool
+            from polyrunner.structured.compiler import LazyGrammarCompiler
+            self.grammar_pool = GrammarCompilePool(
+                LazyGrammarCompiler(self.tokenizer, self.arch.vocab_size, self._eos),
+                self.config.scheduler.grammar_compile_timeout_s)
+        grammar = self.grammar_pool.submit(request_id, params.structured_outputs)
+        if grammar is None and wait:
+            grammar = self.grammar_pool.result(request_id)
+        if grammar is None:
+            self._grammar_waiters[request_id] = children
+        for child in children:
+            if grammar is None:
+                child.status = RequestStatus.WAITING_FOR_FSM
+            else:
+                child.params.structured_outputs.compiled = grammar
+
+    def _collect_grammars(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; fail those whose grammar failed
+        (recorded in `rejected`) and return their outputs."""
+        ready, failed = self.grammar_pool.poll()
+        for rid, grammar in ready:
+            for child in self._grammar_waiters.pop(rid, ()):
+                child.params.structured_outputs.compiled = grammar
+                self.scheduler.grammar_ready(child)
+        if not failed:
+            return []
+        ended: list[Request] = []
+        for rid, error in failed:
+            children = self._grammar_waiters.pop(rid, [])
+            logger.warning("request %s rejected: %s", rid, error)
+            for child in children:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+                child.error = str(error)
+            ended += children
+            self.rejected.append((rid, error))
+        return self.outputs.outputs_for(ended, ended)
+
+    def _only_grammars_left(self) -> bool:
+        """Nothing to run but requests waiting for their grammar."""
+        sched = self.scheduler
+        return (self._in_flight is None and not sched.running and not sched.waiting
+                and bool(sched.waiting_for_fsm))
 
     def _validate_logprobs(self, params: SamplingParams) -> None:
         """vLLM's `max_logprobs` check and wording (-1 asks for the whole vocabulary, allowed
@@ -246,7 +309,10 @@ class LLMEngine:
                                      f"allowed: {limit}")
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request (all its `n` completions); frees its blocks and slot at once."""
+        """Abort a request (all its `n` completions); frees its blocks and slot at once
+        (one waiting for its grammar: its compile is cancelled or its result dropped)."""
+        if self._grammar_waiters.pop(request_id, None) is not None:
+            self.grammar_pool.cancel(request_id)
         aborted = [self.scheduler.abort(child) for child in self.outputs.children(request_id)]
         self.runner.remove_requests([r.slot for r in aborted if r is not None and r.slot is not None])
         self.outputs.drop(request_id)
@@ -263,13 +329,19 @@ class LLMEngine:
         runner in this same step. Asynchronously, the batch whose outputs return
         is the one queued by the previous call (the first call queues two), and
         its stop rules apply after the next batch was queued: a request that
-        stopped ran one extra token there, which is dropped."""
+        stopped ran one extra token there, which is dropped. Requests whose
+        grammar failed come first (see the module docstring); with nothing but
+        grammars to wait for, the step sleeps up to GRAMMAR_POLL_S for one."""
+        self.rejected = []
+        failed = [] if self.grammar_pool is None else self._collect_grammars()
         if self.async_scheduling:
-            return self._step_async()
-        so = self.scheduler.schedule()
-        if so.is_empty:
-            return []
-        return self._process(so, self.runner.execute(so))
+            outs = self._step_async()
+        else:
+            so = self.scheduler.schedule()
+            outs = [] if so.is_empty else self._process(so, self.runner.execute(so))
+        if not outs and not failed and self.grammar_pool is not None and self._only_grammars_left():
+            self.grammar_pool.wait(GRAMMAR_POLL_S)
+        return failed + outs if failed else outs
 
     def _step_async(self) -> list[RequestOutput]:
         queued = self._queue()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"   # vLLM's name: its grammar is compiling; not schedulable yet
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -8,6 +8,9 @@ admitted while budget, `max_num_seqs` and blocks allow. With the "priority"
 policy (vLLM V1's), the waiting queue is kept sorted by (priority, arrival) —
 lower value first — and the running request preempted is the one with the
 largest (priority, arrival); "fcfs" keeps a plain arrival-order queue.
+A request whose grammar is still compiling (status WAITING_FOR_FSM, vLLM's
+name) is held aside in `waiting_for_fsm`, never looked at by `schedule()`,
+until `grammar_ready()` queues it as a newly waiting request.
 With prefix caching, a waiting request whose prefix continues into blocks
 another request computes this step waits one step and then takes them from
 the cache, so a shared prefix is computed once.
@@ -135,6 +138,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         self.slots = SlotArrays(config.max_num_seqs, max_model_len, num_speculative_tokens)
         self.waiting: deque[Request] = deque()
+        self.waiting_for_fsm: dict[str, Request] = {}   # grammar still compiling: not schedulable
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -146,9 +150,22 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue `req`; one with status WAITING_FOR_FSM waits aside for `grammar_ready`."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        if req.status == RequestStatus.WAITING_FOR_FSM:
+            self.waiting_for_fsm[req.request_id] = req
+        else:
+            self._enqueue(req)
+
+    def grammar_ready(self, req: Request) -> None:
+        """`req`'s grammar compiled: it joins the waiting queue (as if it arrived now)."""
+        if self.waiting_for_fsm.pop(req.request_id, None) is not None:
+            req.status = RequestStatus.WAITING
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
         req.arrival = next(self._arrivals)
         if self.by_priority:
             bisect.insort(self.waiting, req, key=_priority_key)
@@ -165,7 +182,12 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_fsm)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, preempted, or waiting for their grammar."""
+        return len(self.waiting) + len(self.waiting_for_fsm)
 
     def _slots_of_running(self) -> np.ndarray:
         if self._running_slots is None:
@@ -457,6 +479,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self._running_slots = None
+        elif req.status == RequestStatus.WAITING_FOR_FSM:
+            self.waiting_for_fsm.pop(req.request_id, None)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status

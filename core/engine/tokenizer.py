@@ -146,8 +146,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text; releases the GIL while it tokenizes (other threads run meanwhile)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._cleaned(text)
+
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each id sequence; releases the GIL while it decodes (other threads run meanwhile)."""
+        texts = self.backend.decode_batch([[int(i) for i in ids] for ids in batch],
+                                          skip_special_tokens=skip_special_tokens)
+        return [self._cleaned(t) for t in texts]
+
+    def _cleaned(self, text: str) -> str:
         # transformers never applies the WordPiece-era clean-up to a BPE model (it corrupts text).
         if self._clean_up and type(self.backend.model).__name__ != "BPE":
             text = _clean_up_tokenization(text)

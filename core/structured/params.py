@@ -21,6 +21,11 @@ from typing import Any
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def too_deep(kind: str) -> ValueError:
+    """The error for a constraint nested past what can be parsed (Python's RecursionError)."""
+    return ValueError(f"structured_outputs.{kind}: the constraint is nested too deeply to be parsed")
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer_info(serialized: str) -> Any:
     """xgrammar's TokenizerInfo from its JSON, once per process (every grammar shares it)."""
@@ -55,6 +60,8 @@ class StructuredOutputsParams:
             except ValueError as exc:
                 raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string); "
                                  f"the string does not parse: {exc}") from None
+            except RecursionError:
+                raise too_deep("json") from None
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings "
                              f"(got {self.choice!r})")
@@ -74,11 +81,17 @@ class StructuredOutputsParams:
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
     def key(self) -> tuple[str, str]:
-        """The compiled-grammar cache key: (kind, canonical text of the constraint)."""
+        """The compiled-grammar cache key: (kind, canonical text of the constraint);
+        ValueError for a JSON schema nested too deeply to serialise."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            value = _json.dumps(_json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+            try:
+                value = _json.dumps(_json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+            except RecursionError:
+                raise too_deep(kind) from None
+            except (TypeError, ValueError) as exc:   # a dict holding what JSON cannot hold
+                raise ValueError(f"structured_outputs.json must be a JSON schema: {exc}") from None
         elif kind == "choice":
             value = _json.dumps(value)
         if kind in ("json", "json_object"):

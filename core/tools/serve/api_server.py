@@ -6,13 +6,21 @@ uvicorn (launcher.py). Endpoints: POST /v1/completions, POST
 /tokenize, POST /detokenize.
 
 Every request is parsed and validated here (tokenized too, so usage counts and
-the max_model_len check need no engine round trip); one call's life (engine
-admission, events, disconnects, errors) is in `calls.py`, the OpenAI response
-and stream formats in `formats.py`, the API key and body limit in `guard.py`.
+the max_model_len check need no engine round trip), large bodies and prompts in
+a thread pool (`offload.py`) so the event loop stays free; one call's life
+(engine admission, events, disconnects, errors) is in `calls.py`, the OpenAI
+response and stream formats in `formats.py`, the API key, content type and
+body limit in `guard.py`.
+
+Admission counts sequences (prompts x n) against `max_waiting`. When uvicorn's
+graceful shutdown begins (launcher.py calls `app.state.drain()`), calls still
+open after `shutdown_timeout` seconds end with a 503 error (a stream: an error
+event, then `data: [DONE]`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,12 +29,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotAcceptingError
+from polyrunner.engine.engine_loop import sequences
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.tools.serve import protocol as P
 from polyrunner.tools.serve.calls import Call, json_response
 from polyrunner.tools.serve.formats import ChatFormat, CompletionFormat, sse
 from polyrunner.tools.serve.guard import Guard
 from polyrunner.tools.serve.metrics import ServerMetrics
+from polyrunner.tools.serve.offload import Offload
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,16 +44,22 @@ logger = logging.getLogger(__name__)
 
 _RESERVED_TEMPLATE_ARGS = frozenset({"messages", "chat_template", "tools", "documents", "add_generation_prompt"})
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 
 
 def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               shutdown_timeout: float | None = None, retry_after_s: int = 1) -> FastAPI:
-    """The app. `max_waiting`: answer 503 + Retry-After once this many requests wait
-    for a slot. `shutdown_timeout`: when not None, the app owns `async_llm` and
-    drains then shuts it down (that many seconds at most) when the app stops."""
+    """The app. `max_waiting`: answer 503 + Retry-After when a request's sequences
+    (prompts x n) would make more than this many wait for a slot.
+    `max_prompts_per_request`: 400 above it. `shutdown_timeout`: when not None, the
+    app owns `async_llm`: once the server's shutdown begins (`app.state.drain()`),
+    calls still open after that many seconds end with a 503, and the app then
+    shuts `async_llm` down."""
     names = list(served_model_names or ["polyrunner"])
-    server = Server(async_llm, names, max_waiting, retry_after_s, ServerMetrics(async_llm, names[0]))
+    server = Server(async_llm, names, max_waiting, max_prompts_per_request, retry_after_s,
+                    ServerMetrics(async_llm, names[0]))
     async_llm.add_stats_listener(server.metrics.on_step)
 
     @asynccontextmanager
@@ -52,11 +68,13 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
             yield
         finally:
             if shutdown_timeout is not None:
-                await async_llm.shutdown_async(shutdown_timeout)
+                await async_llm.shutdown_async(server.time_left(shutdown_timeout))
             async_llm.remove_stats_listener(server.metrics.on_step)
+            server.offload.close()
 
     app = FastAPI(title="polyrunner", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.state.drain = lambda: server.drain(shutdown_timeout)
 
     @app.exception_handler(P.RequestError)
     async def _request_error(request: Request, exc: P.RequestError) -> Response:
@@ -95,35 +113,42 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = await parse_body(request, P.TokenizeRequest)
+        req = await parse_body(request, P.TokenizeRequest, server.offload)
         server.check_model(req.model)
         tok = server.need_tokenizer("prompt" if req.prompt is not None else "messages")
         if (req.prompt is None) == (req.messages is None):
             raise P.RequestError("give exactly one of 'prompt' and 'messages'", "prompt")
         if req.prompt is not None:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            (ids,) = await server.offload.run(tok.encode_batch, [req.prompt], req.add_special_tokens,
+                                              cost=len(req.prompt))
         else:
-            ids = tok.encode(server.render_chat(req.messages, req.add_generation_prompt, None),
-                             add_special_tokens=False)
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            _, ids = await server.render_chat(req.messages, req.add_generation_prompt, None,
+                                              cost=len(await request.body()))
+        strs = (await server.offload.run(tok.convert_ids_to_tokens, ids, cost=len(ids))
+                if req.return_token_strs else None)
         return json_response(P.TokenizeResponse(count=len(ids), max_model_len=async_llm.max_model_len, tokens=ids,
                                         token_strs=strs))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = await parse_body(request, P.DetokenizeRequest)
+        req = await parse_body(request, P.DetokenizeRequest, server.offload)
         server.check_model(req.model)
         tok = server.need_tokenizer("tokens")
-        server.check_ids(req.tokens, "tokens")
-        return json_response(P.DetokenizeResponse(prompt=tok.decode(req.tokens)))
+
+        def decode() -> str:
+            server.check_ids(req.tokens, "tokens")
+            return tok.decode_batch([req.tokens])[0]
+
+        text = await server.offload.run(decode, cost=len(req.tokens))
+        return json_response(P.DetokenizeResponse(prompt=text))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, P.CompletionRequest)
+        req = await parse_body(request, P.CompletionRequest, server.offload)
         model = server.check_model(req.model)
         params = req.sampling_params()
-        prompts = [server.prompt(p, "prompt") for p in req.prompts()]
-        call = await server.start(request, "cmpl", prompts, params)
+        prompts = await server.prompts(req.prompts(), "prompt")
+        call = await server.start(request, "cmpl", prompts, params, req.param_names())
         fmt = CompletionFormat(async_llm.tokenizer, call, req, model)
         if req.stream:
             return sse(call, fmt.stream())
@@ -131,13 +156,14 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, P.ChatCompletionRequest)
+        req = await parse_body(request, P.ChatCompletionRequest, server.offload)
         model = server.check_model(req.model)
         server.need_tokenizer("messages")
-        text = server.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-        prompt = server.prompt(text, "messages", add_special_tokens=False)
+        text, ids = await server.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                                             cost=len(await request.body()))
+        prompt = server.checked_prompt(text, ids, "messages")
         params = req.sampling_params(async_llm.max_model_len - len(prompt["prompt_token_ids"]))
-        call = await server.start(request, "chatcmpl", [prompt], params)
+        call = await server.start(request, "chatcmpl", [prompt], params, req.param_names())
         fmt = ChatFormat(async_llm.tokenizer, call, req, model)
         if req.stream:
             return sse(call, fmt.stream())
@@ -150,8 +176,13 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
 # ------------------------------------------------------------------------ helpers
 
 
-async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
+async def parse_body(request: Request, cls: type[BaseModel], offload: Offload) -> Any:
+    """The body as `cls` (a large one validated in the pool); a RequestError if it is not one."""
     body = await request.body()
+    return await offload.run(_validate, cls, body, cost=len(body))
+
+
+def _validate(cls: type[BaseModel], body: bytes) -> Any:
     try:
         return cls.model_validate_json(body or b"null")
     except ValidationError as exc:
@@ -159,16 +190,22 @@ async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
 
 
 class Server:
-    """What the handlers share: the engine, names, limits and metrics."""
+    """What the handlers share: the engine, names, limits, metrics, the offload pool
+    and the calls still open."""
 
-    def __init__(self, async_llm: AsyncLLM, names: list[str], max_waiting: int | None, retry_after_s: int,
-                 metrics: ServerMetrics) -> None:
+    def __init__(self, async_llm: AsyncLLM, names: list[str], max_waiting: int | None,
+                 max_prompts_per_request: int, retry_after_s: int, metrics: ServerMetrics) -> None:
         self.llm = async_llm
         self.names = names
         self.max_waiting = max_waiting
+        self.max_prompts = max_prompts_per_request
         self.retry_after_s = retry_after_s
         self.metrics = metrics
         self.vocab_size = async_llm.vocab_size
+        self.offload = Offload()
+        self.calls: set[Call] = set()
+        self._deadline: float | None = None   # loop time at which open calls expire (shutdown)
+        self._shut: P.RequestError | None = None   # after the deadline: the answer to every call
 
     def check_model(self, model: str | None) -> str:
         if model is None or model == "":
@@ -184,34 +221,58 @@ class Server:
         return tok
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise P.RequestError(f"token id {bad[0]} is out of vocabulary (allowed: [0, {self.vocab_size - 1}])",
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):   # C loops; the first bad id only on error
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise P.RequestError(f"token id {bad} is out of vocabulary (allowed: [0, {self.vocab_size - 1}])",
                                  param)
 
-    def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                    kwargs: dict[str, Any] | None) -> str:
+    async def render_chat(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                          kwargs: dict[str, Any] | None, cost: int) -> tuple[str, list[int]]:
+        """The chat prompt's text and token ids (rendered and tokenized in the pool when
+        `cost`, the body's size, is large)."""
         tok = self.need_tokenizer("messages")
         # template variables only: a request may not swap the template or its inputs
         extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
-        try:
-            return tok.apply_chat_template([m.for_template() for m in messages],
-                                           add_generation_prompt=add_generation_prompt, **extra)
-        except Exception as exc:   # the template's raise_exception, a bad template variable, ...
-            raise P.RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
 
-    def prompt(self, prompt: str | list[int], param: str, add_special_tokens: bool = True) -> dict[str, Any]:
-        """A prompt as the engine takes it (text and ids), checked against max_model_len."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise P.RequestError("prompt must not be empty", param)
-            ids = self.need_tokenizer(param).encode(prompt, add_special_tokens=add_special_tokens)
-            text: str | None = prompt
-        else:
-            ids, text = list(prompt), None
-            if not ids:
-                raise P.RequestError("prompt must not be empty", param)
-            self.check_ids(ids, param)
+        def render() -> tuple[str, list[int]]:
+            msgs = [m.for_template() for m in messages]
+            try:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+            except Exception as exc:   # the template's raise_exception, a bad template variable, ...
+                raise P.RequestError(f"the chat template cannot render these messages: {exc}",
+                                     "messages") from None
+            return text, tok.encode_batch([text], add_special_tokens=False)[0]
+
+        return await self.offload.run(render, cost=cost)
+
+    async def prompts(self, prompts: list[str | list[int]], param: str) -> list[dict[str, Any]]:
+        """The prompts as the engine takes them (text and ids; tokenized in the pool when
+        long), each checked against max_model_len; at most `max_prompts` of them."""
+        if len(prompts) > self.max_prompts:
+            raise P.RequestError(f"{param} holds {len(prompts)} prompts; at most {self.max_prompts} are "
+                                 "allowed per request", param, code="too_many_prompts")
+        if any(isinstance(p, str) for p in prompts):
+            self.need_tokenizer(param)
+        return await self.offload.run(self._prompts, prompts, param, cost=sum(map(len, prompts)))
+
+    def _prompts(self, prompts: list[str | list[int]], param: str) -> list[dict[str, Any]]:
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not all(prompts):
+            raise P.RequestError(f"{param} must not be empty", param)
+        encoded = iter(self.llm.tokenizer.encode_batch(texts) if texts else [])
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self.checked_prompt(p, next(encoded), param))
+            else:
+                self.check_ids(p, param)
+                out.append(self.checked_prompt(None, list(p), param))
+        return out
+
+    def checked_prompt(self, text: str | None, ids: list[int], param: str) -> dict[str, Any]:
+        """A prompt as the engine takes it, checked against max_model_len."""
+        if not ids:
+            raise P.RequestError(f"{param} must not be empty", param)
         limit = self.llm.max_model_len
         if len(ids) >= limit:
             raise P.RequestError(f"This model's maximum context length is {limit} tokens. However, your "
@@ -220,15 +281,19 @@ class Server:
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def start(self, request: Request, prefix: str, prompts: list[dict[str, Any]],
-                    params: SamplingParams) -> Call:
+                    params: SamplingParams, param_names: dict[str, str] | None = None) -> Call:
         """Admit the prompts (together: they join the same engine step) and wait for
         the engine to accept them; engine-side rejections become 4xx."""
         if not self.llm.is_healthy:
             raise P.RequestError(str(self.llm.dead_error or "the engine is not running"), None, 503,
                                  type="server_error")
-        if self.max_waiting is not None and self.llm.num_waiting >= self.max_waiting:
-            raise P.RequestError(f"the server is busy: {self.llm.num_waiting} requests are waiting "
-                                 f"(limit {self.max_waiting}); retry later", None, 503, "server_busy",
+        if self._shut is not None:
+            raise self._shut
+        adding = len(prompts) * sequences(params)
+        waiting = self.llm.num_waiting
+        if self.max_waiting is not None and waiting + adding > self.max_waiting:
+            raise P.RequestError(f"the server is busy: {waiting} sequences are waiting and this request adds "
+                                 f"{adding} (limit {self.max_waiting}); retry later", None, 503, "server_busy",
                                  type="server_error")
         rid = P.random_id(prefix)
         try:
@@ -239,7 +304,7 @@ class Server:
             raise P.RequestError(str(exc), None, 503, "shutting_down", type="server_error") from None
         except EngineDeadError as exc:
             raise P.RequestError(str(exc), None, 503, type="server_error") from None
-        call = Call(self.llm, rid, prompts, streams, request)
+        call = Call(self.llm, rid, prompts, streams, request, param_names, self.calls)
         try:
             await call.first()
         except BaseException:
@@ -247,3 +312,27 @@ class Server:
             call.close()
             raise
         return call
+
+    # ---- shutdown ---------------------------------------------------------------------
+    def drain(self, timeout: float | None) -> None:
+        """The server's shutdown began (on its loop): calls still open after `timeout`
+        seconds end with a 503 "shutting_down" error. None: they may take as long as they need."""
+        if timeout is None or self._deadline is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + timeout
+        loop.call_at(self._deadline, self._expire_calls, timeout)
+
+    def time_left(self, timeout: float) -> float:
+        """Seconds left of the shutdown (all of `timeout` when `drain` was not called)."""
+        if self._deadline is None:
+            return timeout
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def _expire_calls(self, timeout: float) -> None:
+        error = P.RequestError(f"the server is shutting down: this request did not finish within the shutdown "
+                               f"timeout ({timeout:g} s) and was aborted", None, 503, "shutting_down",
+                               type="server_error")
+        self._shut = error
+        for call in list(self.calls):
+            call.expire(error)

@@ -28,10 +28,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the model's file or folder name)")
     p.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 + Retry-After while this many requests wait (default: no cap)")
+                   help="answer 503 + Retry-After when a request's sequences (prompts x n) would make more than "
+                        "this many wait for a slot (default: no cap)")
+    p.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="answer 400 to a /v1/completions request with more prompts than this (default: 256)")
     p.add_argument("--max-request-body-bytes", type=int, default=None, help="413 above this (default 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish before aborting them")
+                   help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then each gets a 503 "
+                        "error (a stream: an error event, then [DONE]) and is aborted")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, so the HTTP server and the engine never share a "
                         "GIL (default); --no-engine-process runs it in a thread of the server")
@@ -52,7 +56,8 @@ def default_model_name(model: str | None) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from polyrunner.engine.async_llm import AsyncLLM
-    from polyrunner.tools.serve.api_server import DEFAULT_MAX_BODY_BYTES, build_app
+    from polyrunner.tools.serve.api_server import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                                                   build_app)
     from polyrunner.tools.serve.launcher import make_server, run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -66,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                    max_prompts_per_request=args.max_prompts_per_request or DEFAULT_MAX_PROMPTS_PER_REQUEST,
                     shutdown_timeout=args.shutdown_timeout)
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          log_level=args.log_level)

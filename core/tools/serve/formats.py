@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from polyrunner.outputs import CompletionOutput
 from polyrunner.tools.serve import protocol as P
-from polyrunner.tools.serve.calls import Call, Event, engine_error
+from polyrunner.tools.serve.calls import Call, Event
 from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
@@ -20,8 +20,8 @@ def sse(call: Call, chunks: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield chunk
-        except Exception as exc:   # the engine died or refused mid-stream: tell the client, end cleanly
-            err = engine_error(exc)
+        except Exception as exc:   # the engine died or refused mid-stream, the server is stopping: tell the
+            err = exc              # client (an error event, then [DONE]) and end cleanly
             if not isinstance(err, P.RequestError):
                 logger.exception("stream failed")
                 err = P.RequestError(f"{type(exc).__name__}: {exc}", status=500, type="server_error")

@@ -1,4 +1,4 @@
-"""The outermost ASGI layer: the API key (401) and the request-body limit (413)."""
+"""The outermost ASGI layer: the API key (401), the body's content type (415) and its size limit (413)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})   # answered without the API key
 
 
 class Guard:
-    """Outermost ASGI layer: the request-body size limit (413) and the API key (401).
-    It buffers a POST body (up to the limit) and replays it to the app; later
-    receives go to the server, so the app still sees the client disconnect."""
+    """Outermost ASGI layer: the API key (401), a JSON content type on every body
+    (415: a form or text/plain body, which a web page may send cross-origin
+    without a CORS preflight, is never parsed) and the request-body size limit
+    (413). It buffers a POST body (up to the limit) and replays it to the app;
+    later receives go to the server, so the app still sees the client disconnect."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -34,7 +36,13 @@ class Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        if not is_json(headers.get(b"content-type", b"")):
+            err = P.RequestError("Unsupported Media Type: Only 'application/json' is allowed", None, 415,
+                                 "unsupported_media_type")
+            await send_json(send, 415, err.response())
+            return
+        length = headers.get(b"content-length")
         too_big = P.RequestError(f"the request body exceeds the limit of {self.max_body_bytes} bytes",
                                  None, 413, "request_too_large")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -61,6 +69,13 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def is_json(content_type: bytes) -> bool:
+    """`application/json` or `application/<anything>+json`, with any parameters (charset=...)."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition(b"/")
+    return kind == b"application" and (subtype == b"json" or subtype.endswith(b"+json"))
 
 
 async def send_json(send, status: int, body: BaseModel, headers: dict[str, str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server (vLLM's metric names, `polyrunner:` prefix).
 
-Gauges are read from the AsyncLLM's latest engine counts when scraped; counters and histograms are fed
+Gauges are read from the AsyncLLM's latest engine counts when scraped (0 once the
+engine died; `engine_healthy` says which); counters and histograms are fed
 by the AsyncLLM's per-step stats (in its report thread; prometheus-client is
 thread-safe). Each app owns its `CollectorRegistry`, so several servers can
 live in one process.
@@ -30,12 +31,13 @@ class ServerMetrics:
         def gauge(metric: str, doc: str, fn) -> None:
             Gauge(metric, doc, labels, registry=reg).labels(name).set_function(fn)
 
+        # a dead engine runs nothing, queues nothing and holds no KV cache (its last counts are stale)
         gauge("polyrunner:num_requests_running", "Number of requests in the running batch.",
-              lambda: async_llm.num_running)
+              lambda: async_llm.num_running if async_llm.is_healthy else 0)
         gauge("polyrunner:num_requests_waiting", "Number of requests waiting to be scheduled.",
-              lambda: async_llm.num_waiting)
+              lambda: async_llm.num_waiting if async_llm.is_healthy else 0)
         gauge("polyrunner:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-              lambda: async_llm.kv_cache_usage)
+              lambda: async_llm.kv_cache_usage if async_llm.is_healthy else 0.0)
         gauge("polyrunner:engine_healthy", "1 while the engine loop runs, 0 once it died.",
               lambda: 1.0 if async_llm.is_healthy else 0.0)
 

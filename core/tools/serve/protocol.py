@@ -8,18 +8,71 @@ request argument supplied: ...").
 
 from __future__ import annotations
 
+import functools
+import itertools
+import reprlib
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.types import FailFast
+from pydantic_core import from_json
 
 from polyrunner.sampling_params import SamplingParams, SamplingParamsError
 from polyrunner.structured import StructuredOutputsParams
 
 
+MAX_REPORTED_ERRORS = 5       # a 400 names at most this many invalid fields or elements
+
+
+class _ShortRepr(reprlib.Repr):
+    """A bounded repr of a (JSON) value: the first few items, in order (reprlib would sort a dict's keys)."""
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x or level <= 0:
+            return "{" + (self.fillvalue if x else "") + "}"
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                  for k, v in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(pieces + ([self.fillvalue] if len(x) > self.maxdict else [])) + "}"
+
+
+_REPR = _ShortRepr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 4
+_REPR.maxlevel = 2
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast, hashable (typing deduplicates union members by hash)."""
+
+    __hash__ = object.__hash__
+
+
+_FIRST_ERROR = _FailFast()
+# Containers that stop at their first invalid element: a 3 MB list of bad items is one error, not a
+# million (pydantic would otherwise build, and we would report, an error per element).
+IntList = Annotated[list[int], _FIRST_ERROR]
+StrList = Annotated[list[str], _FIRST_ERROR]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_unknown_fields(cls, data: Any) -> Any:
+        """Pass pydantic at most MAX_REPORTED_ERRORS unknown fields (each is one error)."""
+        known = _known_fields(cls)
+        if isinstance(data, dict) and len(data) > len(known) + MAX_REPORTED_ERRORS:
+            unknown = set(itertools.islice((k for k in data if k not in known), MAX_REPORTED_ERRORS))
+            data = {k: v for k, v in data.items() if k in known or k in unknown}
+        return data
+
+
+@functools.cache
+def _known_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(n for name, f in cls.model_fields.items() for n in (name, f.alias) if n)
 
 
 class _Body(BaseModel):
@@ -59,7 +112,7 @@ class StructuredOutputsBody(_Request):
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: StrList | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
@@ -72,11 +125,11 @@ class _SamplingRequest(_Request):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | StrList | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], _FIRST_ERROR] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -86,7 +139,7 @@ class _SamplingRequest(_Request):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: IntList | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False               # token ids in the response (vLLM)
@@ -96,26 +149,41 @@ class _SamplingRequest(_Request):
 
     def _structured(self) -> tuple[StructuredOutputsParams | None, str]:
         """The output constraint and the field it came from: `response_format` (json_schema
-        -> json, json_object -> json_object, text -> none) or vLLM's `structured_outputs`."""
+        -> json, json_object -> json_object, text -> none) or vLLM's `structured_outputs`.
+        Any invalid constraint is a RequestError naming that field."""
         fmt, body = self.response_format, self.structured_outputs
         if fmt is not None and fmt.type != "text" and body is not None:
             raise RequestError("give at most one of response_format and structured_outputs", "response_format")
+        param = "structured_outputs" if body is not None else "response_format"
         try:
             if body is not None:
-                return StructuredOutputsParams(**body.model_dump(by_alias=True)), "structured_outputs"
+                if isinstance(body.json_, str):
+                    _check_json_text(body.json_)
+                return StructuredOutputsParams(**body.model_dump(by_alias=True)), param
             if fmt is None or fmt.type == "text":
                 return None, ""
             if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True), "response_format"
+                return StructuredOutputsParams(json_object=True), param
             if fmt.json_schema is None or fmt.json_schema.json_schema is None:
                 raise RequestError("response_format of type json_schema needs json_schema.schema",
                                    "response_format.json_schema")
-            return StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format"
-        except ValueError as exc:
-            if isinstance(exc, RequestError):
-                raise
-            param = "structured_outputs" if body is not None else "response_format"
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema), param
+        except RequestError:
+            raise
+        except RecursionError:
+            raise RequestError("the schema is nested too deeply", param) from None
+        except (ValueError, TypeError) as exc:
             raise RequestError(str(exc), param) from None
+
+    def param_names(self) -> dict[str, str]:
+        """Engine-side parameter -> the request field it came from, where they differ (so an
+        engine error's `param` names what the client sent)."""
+        names = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            names["structured_outputs"] = "response_format"
+        if getattr(self, "max_completion_tokens", None) is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = dict(
@@ -146,7 +214,7 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | StrList | IntList | Annotated[list[IntList], _FIRST_ERROR]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -157,7 +225,7 @@ class CompletionRequest(_SamplingRequest):
         p = self.prompt
         if isinstance(p, str):
             prompts: list = [p]
-        elif p and all(isinstance(t, int) for t in p):
+        elif p and isinstance(p[0], int):   # validated: a list holds one kind of item
             prompts = [p]
         else:
             prompts = list(p)
@@ -182,7 +250,7 @@ class ContentPart(_Request):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], _FIRST_ERROR] | None = None
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
@@ -194,7 +262,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], _FIRST_ERROR] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -221,7 +289,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _FIRST_ERROR] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -229,7 +297,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: IntList
 
 
 # --------------------------------------------------------------------- responses
@@ -411,28 +479,40 @@ def _is_type_tag(part: str) -> bool:
 
 
 def validation_error(exc: ValidationError) -> RequestError:
-    """A pydantic error of a request body -> one 400 naming the field(s)."""
-    errors = exc.errors(include_url=False)
+    """A pydantic error of a request body -> one 400 naming the field(s): at most
+    MAX_REPORTED_ERRORS of them, each with a short repr of the value it got (never the whole input)."""
+    errors = exc.errors(include_url=False, include_context=False)
     if any(e["type"] == "json_invalid" for e in errors):
         return RequestError("We could not parse the JSON body of your request. The API expects a JSON "
                             f"payload ({errors[0]['msg']}).", None, code="invalid_json")
     if any(e["type"] == "model_type" and not e["loc"] for e in errors):
         return RequestError("The request body must be a JSON object.", None)
-    seen: dict[str, list[str]] = {}
+    seen: dict[str, str] = {}   # a union reports one error per member: the first one per field is shown
     for e in errors:
-        param = _loc_to_param(e["loc"])
+        param = _loc_to_param(e["loc"]) or ""
+        if param in seen:
+            continue
         if e["type"] == "extra_forbidden":
-            msg = f"Unrecognized request argument supplied: {param}"
+            seen[param] = f"Unrecognized request argument supplied: {param}"
         elif e["type"] == "missing":
-            msg = f"Missing required parameter: '{param}'."
+            seen[param] = f"Missing required parameter: '{param}'."
+        elif "input" in e:
+            seen[param] = f"Invalid value for '{param}': {e['msg']} (got {_REPR.repr(e['input'])})"
         else:
-            got = e.get("input")
-            msg = f"Invalid value for '{param}': {e['msg']} (got {got!r})" if "input" in e else e["msg"]
-        seen.setdefault(param or "", []).append(msg)
-    first = next(iter(seen))
-    # a union reports one error per member: show the first one only
-    message = "; ".join(msgs[0] for msgs in seen.values())
-    return RequestError(message, first or None)
+            seen[param] = e["msg"]
+    shown = list(seen.values())[:MAX_REPORTED_ERRORS]
+    more = len(seen) - len(shown)
+    message = "; ".join(shown) + (f"; and {more} more invalid field(s)" if more else "")
+    return RequestError(message, next(iter(seen)) or None)
+
+
+def _check_json_text(text: str) -> None:
+    """A schema sent as a JSON string parses within the request body's own nesting limit."""
+    try:
+        from_json(text)
+    except ValueError as exc:
+        raise RequestError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string); "
+                           f"the string does not parse: {exc}", "structured_outputs") from None
 
 
 def _sampling_param(exc: SamplingParamsError, req: _SamplingRequest) -> str | None:
