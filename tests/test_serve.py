@@ -5,11 +5,8 @@ bad requests, limits, the API key, metrics and SIGTERM."""
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +18,7 @@ import uvicorn
 from polyrunner import LLM, SamplingParams
 from polyrunner.engine.async_llm import AsyncLLM
 from polyrunner.tools.serve.api_server import build_app
+from processes import serve_process
 
 pytest.importorskip("gguf")
 
@@ -515,30 +513,9 @@ def test_dead_engine_fails_streams_and_health(slow_tiny):
 # ------------------------------------------------------------------- the command
 
 
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
-
-
 def test_sigterm_finishes_the_request_in_flight_and_exits_0():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "polyrunner", "serve", "--port", str(port), "--max-model-len",
-                             "256", "--max-num-seqs", "4", "--served-model-name", MODEL, "--shutdown-timeout",
-                             "30", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_process("--max-model-len", "256", "--max-num-seqs", "4", "--served-model-name", MODEL,
+                       "--shutdown-timeout", "30", "--log-level", "warning") as (proc, url):
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -549,7 +526,3 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0():
         events = [json.loads(x[6:]) for x in rest.split("\n") if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0, proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -7,10 +7,7 @@ sent), a dead engine's gauges, and streams cut by the shutdown timeout."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,11 +15,12 @@ import httpx
 import pytest
 
 from polyrunner.tools.serve.api_server import build_app
+from processes import serve_process
 
 pytest.importorskip("gguf")
 
 from test_serve import (  # noqa: E402,F401 - fixtures reused: allm (smol, engine process), slow_tiny
-    MODEL, ServerThread, _error, _free_port, _ids_body, allm, parse_sse, slow_tiny, wait_idle)
+    MODEL, ServerThread, _error, _ids_body, allm, parse_sse, slow_tiny, wait_idle)
 
 FOUR_MB = 4 << 20
 
@@ -214,23 +212,8 @@ def test_gauges_drop_to_zero_when_the_engine_dies(slow_tiny):
 
 
 def test_shutdown_timeout_ends_open_calls_with_an_error_and_a_clean_log():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "polyrunner", "serve", "--port", str(port), "--max-model-len",
-                             "2048", "--max-num-seqs", "4", "--served-model-name", MODEL, "--shutdown-timeout", "1",
-                             "--log-level", "info"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_process("--max-model-len", "2048", "--max-num-seqs", "4", "--served-model-name", MODEL,
+                       "--shutdown-timeout", "1", "--log-level", "info") as (proc, url):
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
         plain = {}
 
@@ -260,7 +243,3 @@ def test_shutdown_timeout_ends_open_calls_with_an_error_and_a_clean_log():
         log = proc.stdout.read()
         for bad in ("Traceback", "CancelledError", "Exception in ASGI application", "graceful shutdown exceeded"):
             assert bad not in log, log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
