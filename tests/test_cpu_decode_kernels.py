@@ -13,6 +13,7 @@ from block_tables import random_block_tables
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu import kernels
+from tolerances import assert_close_ulp, assert_detects_errors, assert_linear_close, attention_reference
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
@@ -39,19 +40,19 @@ def test_dpbf16_linear_matches_matmul(cpu_kernels, pool_threads, M, N, K):
     w = (torch.randn(N, K, generator=g) / 8).to(torch.bfloat16)
     with kernels.use_kernels("native"):
         y = kernels.dpbf16_linear_bf16(x, kernels.dpbf16_pack_bf16(w), N)
-    ref = (x.float() @ w.float().T).to(torch.bfloat16)  # fp32 accumulation, one rounding
-    torch.testing.assert_close(y, ref, atol=2e-2, rtol=1.6e-2)
+    assert_linear_close(y, x, w)  # fp32 accumulation, one rounding
 
 
 def test_dpbf16_linear_strided_rows_and_declines(cpu_kernels):
     _dpbf16(cpu_kernels)
+    g = torch.Generator().manual_seed(1)
     with kernels.use_kernels("native"):
-        x = torch.randn(5, 128).to(torch.bfloat16)[:, :64]  # row stride 128
-        w = torch.randn(32, 64).to(torch.bfloat16)
+        x = torch.randn(5, 128, generator=g).to(torch.bfloat16)[:, :64]  # row stride 128
+        w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
         y = kernels.dpbf16_linear_bf16(x, kernels.dpbf16_pack_bf16(w), 32)
-        torch.testing.assert_close(y, (x.float() @ w.float().T).to(torch.bfloat16), atol=2e-2, rtol=1.6e-2)
-        assert kernels.dpbf16_pack_bf16(torch.randn(24, 64).to(torch.bfloat16)) is None  # N % 16
-        assert kernels.dpbf16_pack_bf16(torch.randn(32, 7).to(torch.bfloat16)) is None   # K % 2
+        assert_linear_close(y, x, w)
+        assert kernels.dpbf16_pack_bf16(torch.randn(24, 64, generator=g).to(torch.bfloat16)) is None  # N % 16
+        assert kernels.dpbf16_pack_bf16(torch.randn(32, 7, generator=g).to(torch.bfloat16)) is None   # K % 2
         assert kernels.dpbf16_linear_bf16(x.float(), kernels.dpbf16_pack_bf16(w), 32) is None
 
 
@@ -62,13 +63,15 @@ def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
     if not packing_supported(torch.bfloat16):
         pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")
     monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
-    w = (torch.randn(192, 128) / 8).to(torch.bfloat16)
+    monkeypatch.delenv("POLYRUNNER_CPU_DPBF16", raising=False)   # the path under test, whatever the caller's env
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(192, 128, generator=g) / 8).to(torch.bfloat16)
     with kernels.use_kernels("native"):
         lin = PackedLinear(w, None, 64)
         assert lin.small == "dpbf16"
-        x = torch.randn(80, 128).to(torch.bfloat16)
-        full = lin(x)  # oneDNN
-        torch.testing.assert_close(lin(x[:7]), full[:7], atol=2e-2, rtol=1.6e-2)
+        x = torch.randn(80, 128, generator=g).to(torch.bfloat16)
+        assert_linear_close(lin(x), x, w)            # oneDNN
+        assert_linear_close(lin(x[:7]), x[:7], w)    # AVX512_BF16
 
 
 # ---- decode attention ---------------------------------------------------------------
@@ -99,36 +102,37 @@ def test_decode_attention_matches_reference(cpu_kernels, pool_threads, dtype, ct
     (fewer (request, KV head) pairs than threads) and merged."""
     from polyrunner.backends.cpu.attention import cpu_paged_attention
     rng = np.random.default_rng(len(ctx) * 7 + head)
-    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(len(ctx) * 7 + head)
     num_blocks = sum(-(-L // block_size) for L in ctx) + 8
     meta = _decode_batch(rng, ctx, block_size, num_blocks)
     R = len(ctx)
-    q = torch.randn(R, heads, head, dtype=dtype)
-    k, v = torch.randn(R, kv_heads, head, dtype=dtype), torch.randn(R, kv_heads, head, dtype=dtype)
+    q = torch.randn(R, heads, head, generator=g).to(dtype)
+    k, v = torch.randn(R, kv_heads, head, generator=g).to(dtype), torch.randn(R, kv_heads, head, generator=g).to(dtype)
     spec = LayerSpec(heads, kv_heads, head, head ** -0.5, window)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, generator=g).to(dtype)
     cache_ref = cache.clone()
-    expected = reference_paged_attention(q, k, v, cache_ref, meta, spec)
+    reference_paged_attention(q, k, v, cache_ref, meta, spec)   # the cache writes to compare
+    expected, bound = attention_reference(q, k, v, cache, meta, spec)   # float64; fp32 math, one rounding
     with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
         got = cpu_paged_attention(q, k, v, cache, meta, spec)
-    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got, expected, **tol)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected, dtype, ulps=1, abs_err=bound), got)
     assert torch.equal(cache, cache_ref)
 
 
 def test_decode_attention_skips_padded_requests(cpu_kernels, pool_threads):
     rng = np.random.default_rng(5)
+    g = torch.Generator().manual_seed(5)
     meta = _decode_batch(rng, [300, 40], 16, 40, pad_reqs=3)
-    q = torch.randn(2, 9, 64, dtype=torch.bfloat16)
-    k, v = torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    q = torch.randn(2, 9, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     spec = LayerSpec(9, 3, 64, 0.125, None)
-    cache = torch.randn(2, 40, 16, 3, 64, dtype=torch.bfloat16)
-    expected = reference_paged_attention(q, k, v, cache.clone(), meta, spec)
+    cache = torch.randn(2, 40, 16, 3, 64, generator=g).to(torch.bfloat16)
+    expected, bound = attention_reference(q, k, v, cache, meta, spec)
     out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
     with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
         kernels.paged_attention_op(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                                    meta.block_tables, out, spec.scale, 0)
-    torch.testing.assert_close(out[:2], expected, atol=2e-2, rtol=2e-2)
+    assert_close_ulp(out[:2], expected, ulps=1, abs_err=bound)
     assert torch.all(out[2:] == 0)
 
 
@@ -146,7 +150,7 @@ def test_argmax_matches_torch(cpu_kernels, pool_threads):
     with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
         for t in (x, x[:, :17], x[:, :5], x[:, :1], x[:1], x[::2], x[:0]):
             assert torch.equal(kernels.argmax_f32(t), t.argmax(dim=-1))
-        y = torch.randn(3, 40, dtype=torch.bfloat16)   # not float32: torch's own
+        y = torch.randn(3, 40, generator=g).to(torch.bfloat16)   # not float32: torch's own
         assert torch.equal(kernels.argmax_f32(y), y.argmax(dim=-1))
 
 
@@ -160,7 +164,7 @@ def test_sampler_uses_the_backend_argmax_for_greedy_rows():
         calls.append(logits.clone())
         return logits.argmax(dim=-1)
 
-    logits = torch.randn(3, 50)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     meta = SamplingMetadata(num_reqs=3, all_greedy=True, all_random=False,
                             allowed_token_ids_mask=torch.zeros(3, 50, dtype=torch.bool))
     meta.allowed_token_ids_mask[:, 0] = True   # token 0 masked before the argmax
@@ -174,8 +178,9 @@ def test_sampler_uses_the_backend_argmax_for_greedy_rows():
 def test_pool_runs_every_chunk_once_whatever_takes_part(cpu_kernels):
     """Every output is written exactly once whether 1, 2 or all 4 threads take part
     (the rest asleep), and after a restart."""
-    x = torch.randn(37, 96)
-    w = torch.randn(1000, 96)  # 37 rows x 1000 features: many chunks
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=g)
+    w = torch.randn(1000, 96, generator=g)  # 37 rows x 1000 features: many chunks
     want = x.argmax(dim=-1)
     assert cpu_kernels.pr_pool_start(4, None, 0, 50) == 3
     try:

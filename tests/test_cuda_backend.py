@@ -27,6 +27,7 @@ from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, Scheduler
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance.tiny_llama import write_tiny_llama as conformance_tiny_llama
+from tolerances import assert_close_ulp, assert_detects_errors, attention_reference
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
@@ -156,9 +157,10 @@ def test_fast_path_matches_reference(batch, heads, kv_heads, window, workspace, 
     cache = torch.randn(2, nb, bs, kv_heads, D, generator=torch.Generator().manual_seed(3))
     poison_unused_slots(cache, meta, bs)
     ref_cache, fast_cache = cache.clone(), cache.clone()
-    ref = reference_paged_attention(q, k, v, ref_cache, meta, spec)
+    reference_paged_attention(q, k, v, ref_cache, meta, spec)   # the cache writes
+    expected, bound = attention_reference(q, k, v, cache, meta, spec)   # float64, and fp32 math's bound
     fast = sdpa_paged_attention(q, k, v, fast_cache, meta, spec)
-    torch.testing.assert_close(fast[:T], ref[:T], rtol=1e-4, atol=1e-4)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected[:T], ulps=1, abs_err=bound[:T]), fast[:T])
     assert torch.equal(fast_cache.nan_to_num(7.0), ref_cache.nan_to_num(7.0))
     assert torch.isfinite(fast).all()
 
@@ -182,11 +184,11 @@ def test_static_decode_equals_reference_and_pads_finite():
     q, k, v = _qkv(8, spec, seed=5)
     cache = torch.randn(2, nb, bs, 2, D, generator=torch.Generator().manual_seed(6))
     poison_unused_slots(cache, meta, bs)
-    ref = reference_paged_attention(q, k, v, cache.clone(), meta, spec)
+    expected, bound = attention_reference(q, k, v, cache, meta, spec)
     meta.extras[STATIC_DECODE] = True
     meta.query_start_loc_np = meta.seq_lens_np = None  # the static path must not read host metadata
     static = sdpa_paged_attention(q, k, v, cache.clone(), meta, spec)
-    torch.testing.assert_close(static[:3], ref[:3], rtol=1e-4, atol=1e-4)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected[:3], ulps=1, abs_err=bound[:3]), static[:3])
     assert torch.isfinite(static).all()  # padded rows (seq_len 0) attend to the null slot
 
 
@@ -197,10 +199,11 @@ def test_fast_path_low_precision_close_to_reference():
     meta = make_batch(reqs, block_size=bs, num_blocks=nb, max_blocks=8, seed=7)
     q, k, v = _qkv(26, spec, seed=8, dtype=torch.bfloat16)
     cache = torch.randn(2, nb, bs, 2, D, generator=torch.Generator().manual_seed(9)).bfloat16()
-    ref = reference_paged_attention(q, k, v, cache.clone(), meta, spec)
+    # float64 of the same bfloat16 inputs; fp32 math with P rounded to bfloat16 for P.V (flash attention)
+    expected, bound = attention_reference(q, k, v, cache, meta, spec, p_dtype=torch.bfloat16)
     fast = sdpa_paged_attention(q, k, v, cache.clone(), meta, spec)
     assert fast.dtype == torch.bfloat16
-    torch.testing.assert_close(fast.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected, ulps=1, abs_err=bound), fast, rel=0.02)
 
 
 # ---- the graph executor through the engine (simulated graphs on CPU) ---------------
@@ -438,10 +441,10 @@ def test_cuda_attention_matches_reference():
     T = sum(n for _, n in reqs)
     meta = make_batch(reqs, block_size=bs, num_blocks=nb, max_blocks=12, seed=1, device="cuda")
     q, k, v = _qkv(T, spec, seed=2, device="cuda")
-    cache = torch.randn(2, nb, bs, 2, D, device="cuda")
-    ref = reference_paged_attention(q, k, v, cache.clone(), meta, spec)
+    cache = torch.randn(2, nb, bs, 2, D, generator=torch.Generator().manual_seed(3)).to("cuda")
+    expected, bound = attention_reference(q, k, v, cache, meta, spec)   # float64 on the host
     fast = sdpa_paged_attention(q, k, v, cache.clone(), meta, spec)
-    torch.testing.assert_close(fast, ref, rtol=2e-3, atol=2e-3)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected, torch.float32, ulps=1, abs_err=bound), fast)
 
 
 @needs_cuda

@@ -23,6 +23,7 @@ from polyrunner.sample import (
     compute_prompt_logprobs,
 )
 from polyrunner.sampling_params import SamplingParams
+from tolerances import assert_close_ulp, log_softmax_reference
 
 
 
@@ -165,7 +166,9 @@ def test_penalties_hand_computed():
     # 2:  0.5 / 2 - 0.5*2 - 0.3     = -1.05
     # 3:  3.0 / 2 - 0.5*1 - 0.3     = 0.7
     # 4: -0.5 (unseen), 5: 0.0 (unseen)
-    np.testing.assert_allclose(out[0], [1.0, -2.0, -1.05, 0.7, -0.5, 0.0], rtol=1e-6)
+    # float32: the penalties rounded to float32 and <= 3 operations, each within 1 ulp of the result
+    assert_close_ulp(torch.from_numpy(out[0]), torch.tensor([1.0, -2.0, -1.05, 0.7, -0.5, 0.0], dtype=torch.float64),
+                     torch.float32, ulps=4)
     np.testing.assert_array_equal(out[1], L6)
 
 
@@ -175,7 +178,8 @@ def test_penalties_prompt_only_gets_repetition_not_frequency():
                             **GREEDY), prompt=[3, 4, 5], output=[])
     out = processed(b, [L6])
     # 3: 3.0/1.5 = 2.0; 4: -0.5*1.5 = -0.75; 5: 0.0*1.5 = 0; no output -> no freq/presence
-    np.testing.assert_allclose(out[0], [2.0, -1.0, 0.5, 2.0, -0.75, 0.0], rtol=1e-6)
+    assert_close_ulp(torch.from_numpy(out[0]), torch.tensor([2.0, -1.0, 0.5, 2.0, -0.75, 0.0], dtype=torch.float64),
+                     torch.float32, ulps=2)   # the penalty rounded to float32, one division
 
 
 def test_penalties_ignore_async_placeholders():
@@ -484,13 +488,14 @@ def test_logprobs_are_raw_with_ranks_and_topk():
     assert out.sampled_token_ids.tolist() == [1, 6]
     lp = out.logprobs
     assert lp.token_ids.shape == (2, 4) and lp.logprobs.dtype == torch.float32
-    ref = _np_log_softmax(logits)
+    want, bound = log_softmax_reference(logits)
     assert lp.token_ids[:, 0].tolist() == [1, 6]
     assert lp.ranks.tolist() == [2, 4]  # row 0: only token 4 is strictly greater than 2.0
     assert lp.token_ids[0, 1:].tolist()[0] == 4 and set(lp.token_ids[0, 2:].tolist()) == {1, 2}
     assert set(lp.token_ids[1, 1:3].tolist()) == {3, 4} and lp.token_ids[1, 3].item() == 0
     for r in range(2):
-        np.testing.assert_allclose(lp.logprobs[r].numpy(), ref[r, lp.token_ids[r].numpy()], atol=1e-6)
+        ids = lp.token_ids[r]
+        assert_close_ulp(lp.logprobs[r], want[r, ids], ulps=0, abs_err=bound[r, ids])
     lists = lp.tolists()
     assert isinstance(lists, LogprobsLists)
     ids_all, _, ranks_all = lists
@@ -506,12 +511,13 @@ def test_logprobs_k0_and_full_vocab():
     b.add(0, SamplingParams(logprobs=0, **GREEDY))
     lp = Sampler()(logits, b.meta()).logprobs
     assert lp.token_ids.tolist() == [[2]] and lp.ranks.tolist() == [1]
-    np.testing.assert_allclose(lp.logprobs.numpy(), _np_log_softmax(logits.numpy())[:, [2]], atol=1e-6)
+    want, bound = log_softmax_reference(logits)
+    assert_close_ulp(lp.logprobs, want[:, [2]], ulps=0, abs_err=bound[:, [2]])
     b.add(0, SamplingParams(logprobs=-1, **GREEDY))
     lp = Sampler()(logits, b.meta()).logprobs
     assert lp.token_ids.tolist() == [[2, 2, 1, 0, 4, 3]]
-    np.testing.assert_allclose(lp.logprobs[0, 1:].numpy(),
-                               np.sort(_np_log_softmax(logits.numpy())[0])[::-1], atol=1e-6)
+    order = [2, 1, 0, 4, 3]   # by logit, descending
+    assert_close_ulp(lp.logprobs[0, 1:], want[0, order], ulps=0, abs_err=bound[0, order])
 
 
 def test_prompt_logprobs():
@@ -520,8 +526,10 @@ def test_prompt_logprobs():
     targets = np.array([3, 0, 8, 8, 1])
     lp = compute_prompt_logprobs(torch.from_numpy(logits), torch.from_numpy(targets), 2)
     ref = _np_log_softmax(logits)
+    want, bound = log_softmax_reference(logits)
     assert lp.token_ids[:, 0].tolist() == targets.tolist()
-    np.testing.assert_allclose(lp.logprobs[:, 0].numpy(), ref[np.arange(5), targets], atol=1e-6)
+    rows = torch.arange(5)
+    assert_close_ulp(lp.logprobs[:, 0], want[rows, targets], ulps=0, abs_err=bound[rows, targets])
     top2 = np.argsort(-ref, axis=1)[:, :2]
     np.testing.assert_array_equal(lp.token_ids[:, 1:].numpy(), top2)
     ranks = (ref > ref[np.arange(5), targets][:, None]).sum(1) + 1
