@@ -16,6 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
+
 from polyrunner.tools.conformance.context import MAX_ENGINE_STEPS, generate
 from polyrunner.tools.conformance.framework import check, expect
 
@@ -88,7 +90,7 @@ class LiveTensors:
 
     bytes: dict[str, int]             # device -> bytes
     count: int                        # live tensor objects
-    keys: "np.ndarray"                # sorted hashes of the storages' (device, address)
+    keys: np.ndarray                  # sorted hashes of the storages' (device, address)
     details: list[tuple[int, str, int, str]] | None = None   # (key hash, device, bytes, what), when asked for
 
     def describe_new(self, before: "LiveTensors", limit: int = 3) -> str:
@@ -109,7 +111,6 @@ class LiveTensors:
 def live_tensors(details: bool = False) -> LiveTensors:
     """Walk the garbage collector's objects for torch tensors (parameters and
     subclasses included) and sum their storages' bytes per device."""
-    import numpy as np
     import torch
     tensor_type = torch.Tensor
     per_device: dict[str, int] = {}
