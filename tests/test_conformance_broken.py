@@ -1,8 +1,15 @@
 """The conformance suite must be able to fail: deliberately broken backends,
 registered at run time, are each caught by the check group that targets them
-(and the healthy CPU backend passes, through the CLI)."""
+(and the healthy CPU backend passes, through the CLI); a failed prerequisite
+marks the checks that depend on it "blocked by <check>" instead of erroring them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +70,23 @@ class TooSmallBucketBackend(CPUBackend):
     def bucket_policy(self, config):
         p = _padded_policy(config)
         return TooSmallBucketPolicy(p.token_buckets, p.request_buckets)
+
+
+class ShortBucketsBackend(CPUBackend):
+    """Bug: a static-shape backend whose token buckets stop at half of
+    max_num_batched_tokens, so pad() raises for every larger batch."""
+
+    name = "broken_short_buckets"
+    priority = -100
+    capabilities = Capabilities(graph_mode="eager", static_shapes=True)
+
+    def bucket_policy(self, config):
+        s = config.scheduler
+        return BucketPolicy(exponential_sizes(1, max(1, s.max_num_batched_tokens // 2)),
+                            list(range(1, s.max_num_seqs + 1)))
+
+
+SHORT_BUCKETS_PLUGIN = _Plugin(ShortBucketsBackend)   # for --conformance-plugin in a subprocess
 
 
 class WrongShapeKVBackend(CPUBackend):
@@ -207,20 +231,25 @@ class WorkspaceBackend(CPUBackend):
 
 
 # ---- the suite catches each one in its group -----------------------------------------
+# (backend, group run, checks that fail, checks blocked by a failed prerequisite of that group)
 BROKEN = [
-    (TooSmallBucketBackend, "buckets", ["pad_covers_every_legal_batch"]),
-    (WrongShapeKVBackend, "kv_cache", ["allocation_shape_dtype", "budget", "slot_mapping_writes"]),
-    (NoNullBlockBackend, "kv_cache", ["slot_mapping_writes"]),
-    (StaleReplayBackend, "execution", ["prepared_equals_eager"]),
-    (GrowingGraphsBackend, "execution", ["no_new_graphs_after_warmup"]),
-    (RaisingProbeBackend, "registration", ["probe_never_raises", "available_here"]),
-    (LeakingBackend, "hygiene", ["no_memory_growth"]),
-    (SmallLeakBackend, "hygiene", ["no_memory_growth"]),
+    (TooSmallBucketBackend, "buckets", ["pad_covers_every_legal_batch"],
+     ["padding_within_bound", "pad_monotonic_and_stable"]),
+    (ShortBucketsBackend, "buckets", ["end_at_configured_maximum"],
+     ["pad_covers_every_legal_batch", "padding_within_bound", "pad_monotonic_and_stable"]),
+    (WrongShapeKVBackend, "kv_cache", ["allocation_shape_dtype"],
+     ["budget", "slot_mapping_writes", "unwritten_slots_never_leak"]),
+    (NoNullBlockBackend, "kv_cache", ["slot_mapping_writes"], []),
+    (StaleReplayBackend, "execution", ["prepared_equals_eager"], []),
+    (GrowingGraphsBackend, "execution", ["no_new_graphs_after_warmup"], []),
+    (RaisingProbeBackend, "registration", ["probe_never_raises", "available_here"], ["host_device_primitives"]),
+    (LeakingBackend, "hygiene", ["no_memory_growth"], []),
+    (SmallLeakBackend, "hygiene", ["no_memory_growth"], []),
 ]
 
 
-@pytest.mark.parametrize("cls, group, failing", BROKEN, ids=[b[0].name for b in BROKEN])
-def test_broken_backend_is_caught_by_its_group(registered, cls, group, failing):
+@pytest.mark.parametrize("cls, group, failing, blocked", BROKEN, ids=[b[0].name for b in BROKEN])
+def test_broken_backend_is_caught_by_its_group(registered, cls, group, failing, blocked):
     name = registered(cls)
     report = run_conformance(name, groups=[group])
     assert not report.passed
@@ -229,6 +258,65 @@ def test_broken_backend_is_caught_by_its_group(registered, cls, group, failing):
     assert set(failing) <= failed, report.to_dict()
     for r in report.failures():
         assert r.detail  # every failure says what broke
+    assert {r.name for r in report.blocked()} == set(blocked), report.to_dict()
+    for r in report.blocked():
+        assert r.blocked_by and set(r.blocked_by) <= {f"{group}::{n}" for n in failing}, r
+        assert r.detail == f"blocked by {', '.join(r.blocked_by)}" and r.seconds == 0.0
+
+
+def test_bucket_bug_blocks_its_dependents_instead_of_erroring_them(registered, capsys):
+    """The whole suite on a bucket bug: one failure, every check that needs padded
+    steps 'blocked by' it (not run, not an error), the rest still run; exit code 1."""
+    name = registered(ShortBucketsBackend)
+    report = run_conformance(name)
+    root = "buckets::end_at_configured_maximum"
+    assert [r.id for r in report.failures()] == [root], [(r.id, r.detail) for r in report.failures()]
+    blocked = {r.id for r in report.blocked()}
+    assert {"buckets::pad_covers_every_legal_batch", "kv_cache::slot_mapping_writes",
+            "execution::prepared_equals_eager", "end_to_end::greedy_matches_cpu_reference",
+            "end_to_end::preemption_same_tokens", "hygiene::no_memory_growth"} <= blocked, blocked
+    assert len(blocked) >= 10
+    assert all(r.blocked_by == [root] for r in report.blocked())
+    assert report.summary()["error"] == 0 and not report.passed
+    # checks that need no padding still ran, and capability excuses still win over blocking
+    assert report.get("kv_cache::allocation_shape_dtype").outcome == "passed"
+    assert report.get("end_to_end::speculative_decoding_same_tokens").outcome == "skipped"
+    data = report.to_dict()
+    assert data["summary"]["blocked"] == len(blocked) and data["summary"]["failed"] == 1
+    assert [r["blocked_by"] for r in data["results"] if r["outcome"] == "blocked"] == [[root]] * len(blocked)
+
+    from polyrunner.tools.cli import main
+    rc = main(["conformance", "--backend", name, "--group", "buckets", "--group", "kv_cache"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert f"blocked by {root}" in out and "BLOCKED" in out
+    assert "FAILED: 1 of 10 checks failed, 5 blocked by it" in out
+
+
+def test_pytest_route_reports_blocked_checks_as_skipped_and_fails(tmp_path):
+    """The pytest front-end: the prerequisite fails, its dependents are skipped with
+    'blocked by <check>', the session exits 1; JUnit names stay stable."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "polyrunner.tools.conformance.pytest_plugin", "--pyargs",
+         "polyrunner.tools.conformance", "--backend", "broken_short_buckets",
+         "--conformance-plugin", "test_conformance_broken:SHORT_BUCKETS_PLUGIN",
+         "--conformance-group", "registration", "--conformance-group", "buckets",
+         "--conformance-threads", "1", "-q", "-p", "no:cacheprovider", "-rs", "--junitxml", str(tmp_path / "j.xml")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 6 passed, 3 skipped" in out, out
+    assert "SKIPPED [3]" in out and "blocked by buckets::end_at_configured_maximum" in out, out
+    cases = list(ET.parse(tmp_path / "j.xml").getroot().iter("testcase"))
+    by_name = {c.get("name"): c for c in cases}
+    assert sorted(n for n, c in by_name.items() if c.find("skipped") is not None) == \
+        ["pad_covers_every_legal_batch", "pad_monotonic_and_stable", "padding_within_bound"]
+    assert by_name["end_at_configured_maximum"].get("classname") == "polyrunner.conformance.buckets"
+    assert by_name["end_at_configured_maximum"].find("failure") is not None
+    skip = by_name["pad_covers_every_legal_batch"].find("skipped")
+    assert skip is not None and "blocked by buckets::end_at_configured_maximum" in skip.get("message")
 
 
 def test_null_block_failure_names_the_overwritten_block(registered):
@@ -280,8 +368,21 @@ def test_healthy_variants_of_the_broken_plugins_pass(registered):
 def test_unknown_backend_fails_registration_and_blocks_the_rest():
     report = run_conformance("no_such_backend", groups=["registration", "buckets"])
     assert not report.passed
-    assert report.get("discovered").outcome == "failed"
-    assert all(r.outcome == "error" and "not registered" in r.detail for r in report.group("buckets"))
+    assert [r.id for r in report.failures()] == ["registration::discovered"]
+    assert "no plugin contributes a backend named 'no_such_backend'" in report.get("discovered").detail
+    assert all(r.outcome == "blocked" and r.blocked_by == ["registration::discovered"]
+               for r in report.results[1:])
+
+
+def test_unavailable_backend_without_registration_group_errors_with_the_reason():
+    """Prerequisites that were not selected do not block: the first check runs into
+    the unavailable backend and says why; an error blocks its dependents too."""
+    report = run_conformance("no_such_backend", groups=["buckets", "kv_cache"])
+    errors = report.failures()
+    assert [r.id for r in errors] == ["buckets::lists_sorted_unique", "kv_cache::allocation_shape_dtype",
+                                      "kv_cache::alignment"], report.to_dict()
+    assert all(r.outcome == "error" and "not registered" in r.detail for r in errors)
+    assert len(report.blocked()) == len(report.results) - 3
 
 
 def test_cli_exit_code_reports_a_broken_backend(registered, capsys):

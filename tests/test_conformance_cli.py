@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +32,19 @@ def test_cli_cpu_backend_passes(tmp_path, capsys):
     data = json.loads(report_file.read_text())
     assert data["passed"] and data["backend"] == "cpu"
     assert {r["group"] for r in data["results"]} == set(GROUPS)
+    # the certificate: what was tested where
+    import torch
+    from polyrunner.tools.conformance.certificate import SCHEMA_VERSION, cpu_info
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["versions"] == {"polyrunner": importlib.metadata.version("polyrunner"),
+                                "torch": torch.__version__, "python": platform.python_version()}
+    assert data["plugin"]["distribution"] == "polyrunner" and data["plugin"]["module"] == "polyrunner.backends.cpu.plugin"
+    assert data["device_libraries"] == [] and data["device"].startswith("cpu")
+    assert data["host"]["cpu_flags"] == (cpu_info()[1] if sys.platform.startswith("linux") else [])
+    assert data["date"].endswith("Z") and data["command"]
+    assert data["summary"]["failed"] == data["summary"]["blocked"] == 0
+    assert data["summary"]["passed"] + data["summary"]["skipped"] == len(data["results"])
+    assert "polyrunner " in out.splitlines()[1] and "torch " in out.splitlines()[1]   # the header names versions
 
 
 def test_cli_lists_checks(capsys):
@@ -59,15 +75,21 @@ def test_cli_subprocess_with_runtime_plugin():
 
 
 def test_pytest_plugin_front_end(tmp_path):
-    """`pytest -p polyrunner.tools.conformance.pytest_plugin --pyargs polyrunner.tools.conformance --backend cpu`."""
+    """`pytest -p polyrunner.tools.conformance.pytest_plugin --pyargs polyrunner.tools.conformance --backend cpu
+    --junitxml FILE`: JUnit testcases named `polyrunner.conformance.<group>` / `<check>`, not by install path."""
+    from polyrunner.tools.conformance.framework import select_checks
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "polyrunner.tools.conformance.pytest_plugin", "--pyargs",
          "polyrunner.tools.conformance", "--backend", "cpu", "--conformance-group", "registration",
          "--conformance-group", "buckets", "--conformance-threads", "1", "-q", "-p", "no:cacheprovider",
-         "-rs"],
+         "-rs", "--junitxml", str(tmp_path / "junit.xml")],
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "10 passed" in proc.stdout
+    assert "warning" not in proc.stdout.lower(), proc.stdout   # record_xml_attribute's warnings stay silent
+    cases = [(c.get("classname"), c.get("name")) for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")]
+    assert cases == [(f"polyrunner.conformance.{c.group}", c.name)
+                     for c in select_checks(["registration", "buckets"])], cases
 
 
 def test_pytest_plugin_reports_capability_skips(tmp_path):

@@ -39,6 +39,14 @@ def test_example_plugin_passes_conformance(cpu_paged):
     skipped = [r for r in report.results if r.outcome == "skipped" and not r.package_missing]
     assert [r.excused_by for r in skipped] == ["capabilities.async_scheduling=False",
                                                "capabilities.static_shapes=True"]
+    # the certificate names the plugin's own distribution (none when registered from a source folder)
+    plugin = report.to_dict()["plugin"]
+    assert plugin["backend_class"] == "polyrunner_cpu_paged.plugin.CPUPagedBackend"
+    if plugin["registered_via"].startswith("entry point"):
+        from importlib.metadata import version
+        assert (plugin["distribution"], plugin["version"]) == ("polyrunner-cpu-paged", version("polyrunner-cpu-paged"))
+    else:
+        assert plugin["registered_via"] == "run-time plugin polyrunner_cpu_paged.plugin"
 
 
 def test_example_kv_layout_is_heads_major(cpu_paged):

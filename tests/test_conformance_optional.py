@@ -67,9 +67,10 @@ def hidden_env(names) -> dict[str, str]:
 
 
 def _all_optional_names() -> tuple[set[str], set[str]]:
-    """(distribution names, import names) of every optional package."""
+    """(distribution names, import names) of every optional package (an extra that only
+    pins a required distribution, e.g. `cpu = ["torch==2.13.0"]`, makes it no optional one)."""
     required = {_dist(r) for r in _project()["dependencies"]}
-    dists = set(optional_distributions())
+    dists = set(optional_distributions()) - required
     return dists, set().union(*(import_names(d, required) for d in dists))
 
 

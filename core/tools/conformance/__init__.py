@@ -28,9 +28,14 @@ Checks are plain functions grouped by module, both front-ends run them:
 A check is skipped only when the backend's declared `Capabilities` excuse it
 (the report names the capability) or when its feature needs an optional
 package that is not installed (the report names the package and the extra:
-"xgrammar is not installed: pip install 'polyrunner[structured]'"). The suite
-writes its own tiny random Llama (plain torch + safetensors; transformers is
-not needed).
+"xgrammar is not installed: pip install 'polyrunner[structured]'"). A check
+whose prerequisite failed (`@check(..., depends_on=...)`) is not run and is
+reported "blocked by <group>::<check>". `Report.to_dict()` (the CLI's `--json`)
+is a certificate: schema version, polyrunner/torch/python versions, the
+plugin's distribution, device libraries, device, CPU flags, date, command,
+per-check results (certificate.py). Under pytest with `--junitxml`, testcases are
+named `polyrunner.conformance.<group>` / `<check>`. The suite writes its own
+tiny random Llama (plain torch + safetensors; transformers is not needed).
 """
 
 from __future__ import annotations

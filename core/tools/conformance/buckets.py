@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import PADS, check, expect, fail
 
 MAX_PAIRS = 40_000  # all pairs up to this many, a dense sample above
 
@@ -57,7 +57,7 @@ def check_lists_sorted_unique(ctx) -> str:
     return "; ".join(f"{len(p.token_buckets)}x{len(p.request_buckets)}" for *_, p in _policies(ctx)) + " buckets"
 
 
-@check("buckets")
+@check("buckets", depends_on=("buckets::lists_sorted_unique",))
 def check_end_at_configured_maximum(ctx) -> str:
     """Non-empty lists end at the configured maximum: no bucket beyond the first
     that covers it, and a static-shape backend covers max_num_batched_tokens."""
@@ -89,7 +89,7 @@ def _pad_all(ctx, label, mns, mnbt, p, visit) -> int:
     return len(pairs)
 
 
-@check("buckets")
+@check("buckets", depends_on=("buckets::end_at_configured_maximum",))
 def check_pad_covers_every_legal_batch(ctx) -> str:
     """pad(T, R) >= (T, R) for every legal pair, and lands on a bucket (static
     backends always; others either a bucket or unpadded)."""
@@ -110,7 +110,7 @@ def check_pad_covers_every_legal_batch(ctx) -> str:
     return f"{n} legal (tokens, requests) pairs"
 
 
-@check("buckets")
+@check("buckets", depends_on=(PADS,))
 def check_padding_within_bound(ctx) -> str:
     """Padding never exceeds the policy's own `max_padding` bound."""
     worst = 0
@@ -127,7 +127,7 @@ def check_padding_within_bound(ctx) -> str:
     return f"largest token padding seen: {worst}"
 
 
-@check("buckets")
+@check("buckets", depends_on=(PADS,))
 def check_pad_monotonic_and_stable(ctx) -> str:
     """More tokens or requests never pad smaller, and a padded shape pads to itself
     (so warmed-up shapes are the shapes served)."""

@@ -1,6 +1,8 @@
 """`polyrunner conformance --backend NAME`: run the suite, print a table per
 check group, exit 0 only when every check passed (or was excused by a
-declared capability)."""
+declared capability or a missing optional package). A check whose prerequisite
+failed is reported "blocked by <check>" and not run. `--json FILE` writes the
+report as a certificate (versions, plugin, device, CPU flags; see certificate.py)."""
 
 from __future__ import annotations
 
@@ -11,20 +13,30 @@ import sys
 
 
 def add_parser(subparsers) -> None:
+    from polyrunner.tools.conformance.framework import GROUPS
     p = subparsers.add_parser("conformance", help="certify a backend against the core's contract",
                               description=__doc__)
-    p.add_argument("--backend", required=True, help="registered backend name (see `polyrunner backends`)")
+    p.add_argument("--backend", required=True, metavar="NAME",
+                   help="registered backend to certify (see `polyrunner backends`); required, no default")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE[:ATTR]",
-                   help="import a plugin module (or object) and register it at run time first (repeatable)")
-    p.add_argument("--group", action="append", default=[], help="only these check groups (repeatable)")
+                   help="import a plugin module (or object) and register it at run time first; repeatable "
+                        "(default: none, installed entry points only)")
+    p.add_argument("--group", action="append", default=[], choices=GROUPS, metavar="GROUP",
+                   help=f"only this check group; repeatable; one of {', '.join(GROUPS)} (default: all groups)")
     p.add_argument("--check", action="append", default=[], metavar="PATTERN",
-                   help="only checks matching this glob over 'group::name' or 'name' (repeatable)")
-    p.add_argument("--list", action="store_true", help="list the checks and exit")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
-    p.add_argument("--workdir", default=None, help="keep the tiny model and artefacts here")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the run (default: torch's; 1 is fastest on a busy machine)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes, full details")
+                   help="only checks matching this glob over 'group::name' or 'name'; repeatable "
+                        "(default: all checks)")
+    p.add_argument("--list", action="store_true",
+                   help="list the checks with their requirements and prerequisites, and exit (default: off)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the report as a JSON certificate: versions, plugin, device, CPU flags, "
+                        "command, per-check results (default: none)")
+    p.add_argument("--workdir", default=None, metavar="DIR",
+                   help="keep the tiny model and artefacts in DIR (default: a temporary folder, removed after)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads for the run; 1 is fastest on a busy machine (default: torch's own)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each check as it finishes, and full details (default: off)")
     p.set_defaults(func=cmd_conformance)
 
 
@@ -44,7 +56,7 @@ def register_plugin(spec: str) -> None:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from polyrunner.tools.conformance.framework import GROUPS, run_conformance, select_checks
+    from polyrunner.tools.conformance.framework import run_conformance, select_checks
     from polyrunner.tools.conformance.report import MARK, format_report
     for spec in args.plugin:
         register_plugin(spec)
@@ -54,12 +66,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.list:
         for c in select_checks(args.group, args.check):
             req = f"  [requires {', '.join(c.requires)}]" if c.requires else ""
+            if c.depends_on:
+                req += f"  [after {', '.join(c.depends_on)}]"
             if c.packages:
                 req += "  [needs " + ", ".join(f"{p} (polyrunner[{e}])" if e else p for p, e in c.packages) + "]"
             print(f"{c.id}: {c.doc}{req}")
         return 0
-    if any(g not in GROUPS for g in args.group):
-        raise ValueError(f"unknown group in {args.group}; groups: {', '.join(GROUPS)}")
 
     def progress(r) -> None:
         if args.verbose:
@@ -71,4 +83,5 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=2)
+            f.write("\n")
     return 0 if report.passed else 1

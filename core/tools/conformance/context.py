@@ -61,6 +61,7 @@ class ConformanceContext:
         self._engine_errors: dict[str, str] = {}
         self._blocker: str | None = None
         self.cache: dict[str, Any] = {}   # results shared between checks (e.g. reference tokens)
+        self.results: dict[str, Any] = {}  # CheckResult by check id, this run's so far (prerequisites)
 
     def __enter__(self) -> "ConformanceContext":
         return self

@@ -5,12 +5,12 @@ preemption forced."""
 
 from __future__ import annotations
 
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import MODEL_RUNS, check, expect, fail
 
 LOGPROB_TOLERANCE = {"float32": 1e-4}   # other dtypes: tokens only (sums in another order round differently)
 
 
-@check("distributed", requires=("distributed_backend", "devices:2"))
+@check("distributed", requires=("distributed_backend", "devices:2"), depends_on=MODEL_RUNS)
 def check_tensor_parallel_same_tokens(ctx) -> str:
     """tensor_parallel_size=2 generates the greedy tokens (and float32 logprobs) of 1."""
     from polyrunner.engine.llm_engine import LLMEngine

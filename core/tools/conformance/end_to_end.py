@@ -7,7 +7,9 @@ asynchronous scheduling changes no token; speculative decoding
 from __future__ import annotations
 
 from polyrunner.tools.conformance.context import generate
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import MODEL_RUNS, check, expect, fail
+
+GREEDY = "end_to_end::greedy_matches_cpu_reference"   # the same reference tokens: its failure explains theirs
 
 
 def _greedy(ctx):
@@ -25,7 +27,7 @@ def _compare(ctx, got: list[list[int]], what: str) -> str:
     return f"{len(got)} prompts x {len(ref[0])} tokens equal the CPU reference"
 
 
-@check("end_to_end")
+@check("end_to_end", depends_on=MODEL_RUNS)
 def check_greedy_matches_cpu_reference(ctx) -> str:
     """Greedy generation equals the CPU reference backend token for token
     (a prefix-cache hit included)."""
@@ -33,7 +35,7 @@ def check_greedy_matches_cpu_reference(ctx) -> str:
     return _compare(ctx, generate(engine, ctx.prompts(), _greedy(ctx)), "greedy")
 
 
-@check("end_to_end", requires=("sampling:temperature", "sampling:seed"))
+@check("end_to_end", requires=("sampling:temperature", "sampling:seed"), depends_on=MODEL_RUNS)
 def check_seeded_sampling_reproducible(ctx) -> str:
     """Same seed, same tokens: across two runs, and with a different batch
     composition (alone, and among other random requests in another order)."""
@@ -61,7 +63,7 @@ def check_seeded_sampling_reproducible(ctx) -> str:
     return f"{len(prompts)} seeded requests reproduced in 4 batch compositions"
 
 
-@check("end_to_end")
+@check("end_to_end", depends_on=(GREEDY,))
 def check_preemption_same_tokens(ctx) -> str:
     """With a KV cache too small for the batch, requests are preempted and
     recomputed, and every token still equals the reference."""
@@ -73,7 +75,7 @@ def check_preemption_same_tokens(ctx) -> str:
     return _compare(ctx, got, f"preemption ({preemptions} preemptions)")
 
 
-@check("end_to_end")
+@check("end_to_end", depends_on=(GREEDY,))
 def check_chunked_prefill_same_tokens(ctx) -> str:
     """With max_num_batched_tokens below the longest prompt, prompts are
     prefilled in chunks, and every token still equals the reference."""
@@ -83,7 +85,7 @@ def check_chunked_prefill_same_tokens(ctx) -> str:
     return _compare(ctx, generate(engine, ctx.prompts(), _greedy(ctx)), f"chunked prefill (budget {budget})")
 
 
-@check("end_to_end", requires=("async_scheduling",))
+@check("end_to_end", requires=("async_scheduling",), depends_on=MODEL_RUNS)
 def check_async_scheduling_same_tokens(ctx) -> str:
     """Asynchronous scheduling (step N+1 prepared while step N runs) gives the tokens
     synchronous scheduling gives, with chunked prefill, preemption, stop ids, one-token

@@ -12,9 +12,9 @@ from polyrunner.tools.conformance.attention_step import HostDevice, attend, writ
 from polyrunner.tools.conformance.batches import make_batch, model_inputs, split_counts, with_new_tokens
 from polyrunner.tools.conformance.compare import close
 from polyrunner.tools.conformance.context import generate
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import ENGINE_RUNS, PADS, check, expect, fail
 
-@check("execution", requires=("counts_graphs",))
+@check("execution", requires=("counts_graphs",), depends_on=ENGINE_RUNS)
 def check_no_new_graphs_after_warmup(ctx) -> str:
     """After warm-up, a stream of random batch shapes compiles no new graph."""
     from polyrunner.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ def bucket_samples(policy, mnbt: int, mns: int, limit: int, rng) -> list[tuple[i
     return out
 
 
-@check("execution")
+@check("execution", depends_on=ENGINE_RUNS)
 def check_prepared_equals_eager(ctx) -> str:
     """For every bucket (bounded sample), executor.run on the padded batch gives
     the logits of eager model execution of the same batch; twice per bucket with
@@ -127,7 +127,7 @@ def check_prepared_equals_eager(ctx) -> str:
     return f"{len(samples)} batches over {len(shapes)} padded shapes, max |diff| {worst:.2g}"
 
 
-@check("execution")
+@check("execution", depends_on=(PADS, "kv_cache::slot_mapping_writes"))
 def check_attention_matches_reference(ctx) -> str:
     """The backend's attention op gives the reference paged attention's output
     for the real tokens of a padded decode + prefill step."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from polyrunner.tools.conformance.context import MAX_ENGINE_STEPS, generate
-from polyrunner.tools.conformance.framework import check, expect
+from polyrunner.tools.conformance.framework import ENGINE_RUNS, check, expect
 
 GC_OBJECT_GROWTH = 50
 PY_BLOCK_GROWTH = 1000
@@ -53,7 +53,7 @@ def _idle(engine) -> list[str]:
     return leftovers
 
 
-@check("hygiene")
+@check("hygiene", depends_on=ENGINE_RUNS)
 def check_blocks_and_states_released(ctx) -> str:
     """After a run (and after aborting requests mid-way) all KV blocks are free
     and the runner's slots and the scheduler's requests are empty."""
@@ -165,7 +165,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:+.1f} MiB"
 
 
-@check("hygiene")
+@check("hygiene", depends_on=ENGINE_RUNS)
 def check_no_memory_growth(ctx) -> str:
     """Repeated identical runs after a warm-up do not grow the live tensors (bytes
     per device, number), the device allocator's allocated bytes or Python objects;

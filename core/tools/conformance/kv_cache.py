@@ -11,7 +11,7 @@ from polyrunner.attention.metadata import NULL_BLOCK
 from polyrunner.tools.conformance.attention_step import HostDevice, attend, write_step
 from polyrunner.tools.conformance.batches import model_inputs
 from polyrunner.tools.conformance.compare import close
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import ALLOCATES, PADS, check, expect, fail
 
 ALLOC_BLOCKS = 6
 
@@ -84,7 +84,7 @@ def check_alignment(ctx) -> str:
     return f"aligned to {align} bytes"
 
 
-@check("kv_cache")
+@check("kv_cache", depends_on=(ALLOCATES,))
 def check_budget(ctx) -> str:
     """`kv_cache_budget` honours `kv_cache_memory_bytes`; the blocks
     `Backend.num_kv_blocks(spec, budget)` buys fit the budget
@@ -121,7 +121,7 @@ def check_budget(ctx) -> str:
     return "; ".join(notes)
 
 
-@check("kv_cache")
+@check("kv_cache", depends_on=(PADS, ALLOCATES))
 def check_slot_mapping_writes(ctx) -> str:
     """The attention op writes each real token's K/V at slot_mapping (block, offset)
     and padded tokens write nothing outside the null block."""
@@ -179,7 +179,7 @@ def _allocator_leaves_garbage(backend, spec, num_blocks: int) -> bool:
     return any(bool((t[:, NULL_BLOCK + 1:].cpu() != 0).any()) for t in again)
 
 
-@check("kv_cache")
+@check("kv_cache", depends_on=(PADS, ALLOCATES))
 def check_unwritten_slots_never_leak(ctx) -> str:
     """Slots a step must not read (unwritten, stale, or past a request's length
     inside its last block) do not reach real outputs: after writing the contexts,

@@ -8,7 +8,13 @@ MODULE[:ATTR]` (register a plugin at run time first; repeatable),
 `test_conformance[<group>::<check>]`; a check excused by a declared
 capability is reported as skipped with that capability as the reason; one whose
 feature needs an optional package that is not installed, as skipped naming the
-package and the extra that installs it.
+package and the extra that installs it; one whose prerequisite failed in this
+session, as skipped "blocked by <group>::<check>" (the session still fails:
+the prerequisite is a failed test).
+
+With `--junitxml FILE`, each check is a testcase with classname
+`polyrunner.conformance.<group>` and name `<check>`, wherever polyrunner is
+installed (pytest would otherwise derive the classname from the install path).
 
 Not registered as a `pytest11` entry point on purpose: it adds a `--backend`
 option, which must not appear in (or clash with) unrelated pytest runs.
@@ -16,7 +22,11 @@ option, which must not appear in (or clash with) unrelated pytest runs.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+
+JUNIT_CLASSNAME = "polyrunner.conformance.{group}"
 
 
 def pytest_addoption(parser) -> None:
@@ -61,10 +71,26 @@ def conformance_context(request):
     ctx.close()
 
 
+def junit_names(request, check) -> None:
+    """Name the JUnit testcase `polyrunner.conformance.<group>` / `<check>` (when
+    --junitxml is on), through pytest's `record_xml_attribute` fixture; its
+    'experimental' and 'xunit2' warnings are silenced here only."""
+    if not request.config.getoption("xmlpath", None):   # no --junitxml (or the junitxml plugin is off)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pytest.PytestWarning)
+        record = request.getfixturevalue("record_xml_attribute")
+    record("classname", JUNIT_CLASSNAME.format(group=check.group))
+    record("name", check.name)
+
+
 def run_one(check, ctx) -> None:
-    """Run one check as a pytest test: fail with the check's message, skip with its excuse."""
-    from polyrunner.tools.conformance.framework import PASSED, SKIPPED, run_check
+    """Run one check as a pytest test: fail with the check's message, skip with its
+    excuse or with "blocked by <check>" when a prerequisite failed."""
+    from polyrunner.tools.conformance.framework import BLOCKED, PASSED, SKIPPED, run_check
     result = run_check(check, ctx)
+    if result.outcome == BLOCKED:
+        pytest.skip(result.detail)
     if result.outcome == SKIPPED:
         pytest.skip(result.excused_by if result.package_missing else f"excused: {result.excused_by}")
     if result.outcome != PASSED:

@@ -47,7 +47,7 @@ def check_discovered(ctx) -> str:
     return f"{cls.__module__}.{cls.__qualname__} via {how}"
 
 
-@check("registration")
+@check("registration", depends_on=("registration::discovered",))
 def check_probe_never_raises(ctx) -> str:
     """`probe()` returns an Availability (twice, consistently) and never raises."""
     from polyrunner.device.backend import Availability
@@ -67,7 +67,7 @@ def check_probe_never_raises(ctx) -> str:
     return f"available={results[0]}"
 
 
-@check("registration")
+@check("registration", depends_on=("registration::discovered",))
 def check_declared_identity(ctx) -> str:
     """Name, priority, capabilities and KV alignment are well-formed declarations."""
     from polyrunner.device.backend import SAMPLING_FEATURES, Capabilities
@@ -87,7 +87,7 @@ def check_declared_identity(ctx) -> str:
     return f"graph_mode={caps.graph_mode} static_shapes={caps.static_shapes} counts_graphs={caps.counts_graphs}"
 
 
-@check("registration")
+@check("registration", depends_on=("registration::discovered",))
 def check_available_here(ctx) -> str:
     """The backend is usable on this machine (the other groups need it)."""
     from polyrunner.plugins.manager import _probe
@@ -98,7 +98,7 @@ def check_available_here(ctx) -> str:
     return a.device or "available"
 
 
-@check("registration")
+@check("registration", depends_on=("registration::available_here",))
 def check_host_device_primitives(ctx) -> str:
     """select_backend() instantiates it; device, default dtype, transfers, RNG and memory info work."""
     import numpy as np

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from polyrunner.tools.conformance.framework import GROUPS, SKIPPED, Report
 
-MARK = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
+MARK = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP", "blocked": "BLOCKED"}
 DETAIL_WIDTH = 110
 
 
@@ -18,8 +18,20 @@ def _short(text: str) -> str:
     return text if len(text) <= DETAIL_WIDTH else text[: DETAIL_WIDTH - 3] + "..."
 
 
+def _header(report: Report) -> list[str]:
+    env = report.environment
+    if env is None:
+        return []
+    libs = ", ".join(f"{lib.distribution} {lib.version or '(not installed)'}" for lib in env.device_libraries)
+    plugin = env.plugin
+    source = f"{plugin.distribution} {plugin.version}" if plugin.distribution else "no installed distribution"
+    return [f"  polyrunner {env.versions.get('polyrunner')}, torch {env.versions.get('torch')}, "
+            f"python {env.versions.get('python')}" + (f", {libs}" if libs else ""),
+            f"  plugin {plugin.backend_class or '?'} ({source}); device {env.device or '?'}"]
+
+
 def format_report(report: Report, verbose: bool = False) -> str:
-    lines = [f"polyrunner conformance: backend {report.backend!r}"]
+    lines = [f"polyrunner conformance: backend {report.backend!r}", *_header(report)]
     for group in GROUPS:
         results = report.group(group)
         if not results:
@@ -45,10 +57,15 @@ def format_report(report: Report, verbose: bool = False) -> str:
     if by_package:
         lines.append("skipped (optional packages not installed):")
         lines += [f"  {r.id}: {r.excused_by}" for r in by_package]
+    blocked = report.blocked()
+    if blocked:
+        lines.append("blocked (not run: a prerequisite failed):")
+        lines += [f"  {r.id}: {r.detail}" for r in blocked]
     failed = report.failures()
     n = len(report.results)
-    if failed:
-        lines.append(f"FAILED: {len(failed)} of {n} checks failed in {report.seconds:.1f}s "
+    if failed or blocked:
+        lines.append(f"FAILED: {len(failed)} of {n} checks failed"
+                     + (f", {len(blocked)} blocked by {'it' if len(failed) == 1 else 'them'}" if blocked else "") + f", in {report.seconds:.1f}s "
                      f"(groups: {', '.join(g for g in GROUPS if g in report.failed_groups())})")
         lines += [f"  {r.id}: {r.outcome}: {r.detail}" for r in failed]
     else:

@@ -6,12 +6,12 @@ preemption forced. Static-shape backends refuse speculative decoding."""
 from __future__ import annotations
 
 from polyrunner.tools.conformance.context import generate
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import MODEL_RUNS, check, expect, fail
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
 
 
-@check("end_to_end", requires=("!static_shapes",))
+@check("end_to_end", requires=("!static_shapes",), depends_on=MODEL_RUNS)
 def check_speculative_decoding_same_tokens(ctx) -> str:
     """n-gram speculative decoding generates the tokens decoding without drafts generates."""
     from polyrunner.engine.llm_engine import LLMEngine

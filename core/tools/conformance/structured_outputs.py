@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from polyrunner.tools.conformance.framework import check, expect, fail
+from polyrunner.tools.conformance.framework import MODEL_RUNS, check, expect, fail
 
 MAX_TOKENS = 48
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "color", "ok"],
@@ -63,7 +63,8 @@ def _valid_json(text: str) -> bool:
             and 0 <= v["n"] <= 99 and v["color"] in ("red", "blue") and isinstance(v["ok"], bool))
 
 
-@check("end_to_end", requires=("sampling:structured_outputs",), packages={"xgrammar": "structured"})
+@check("end_to_end", requires=("sampling:structured_outputs",), packages={"xgrammar": "structured"},
+       depends_on=MODEL_RUNS)
 def check_structured_outputs(ctx) -> str:
     """JSON-schema, regex and choice outputs match their constraint (greedy and, where
     the device seeds, random); an invalid regex is refused before scheduling."""

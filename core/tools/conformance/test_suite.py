@@ -5,7 +5,7 @@
 
 import pytest
 
-from polyrunner.tools.conformance.pytest_plugin import run_one
+from polyrunner.tools.conformance.pytest_plugin import junit_names, run_one
 
 
 @pytest.fixture
@@ -16,4 +16,5 @@ def conformance_check():
 
 
 def test_conformance(request, conformance_check):
+    junit_names(request, conformance_check)
     run_one(conformance_check, request.getfixturevalue("conformance_context"))
