@@ -19,7 +19,6 @@ from polyrunner.attention.metadata import LayerSpec
 from polyrunner.attention.reference import reference_paged_attention, write_kv
 from polyrunner.backends.cpu.plugin import CPUBackend
 from polyrunner.device.graphs import graph_bucket_policy
-from polyrunner.backends.npu import plugin as npu_plugin
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, SplitKVLayout, allocate_split_kv
 from polyrunner.backends.npu.plugin import NPUBackend, explain_capture_error, npu_paged_attention
 from polyrunner.config import EngineConfig, ModelConfig, SchedulerConfig
@@ -59,16 +58,19 @@ def test_list_backends_npu_unavailable():
 
 
 def test_probe_reports_failed_import(monkeypatch):
+    """A failing import is diagnosed (polyrunner.backends.diagnose): CANN's library missing."""
+    from polyrunner.backends import diagnose
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-    monkeypatch.setattr(npu_plugin.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(diagnose.importlib.util, "find_spec", lambda name: object())
 
     def broken(name):
         raise ImportError("libascendcl.so: cannot open shared object file")
 
-    monkeypatch.setattr(npu_plugin.importlib, "import_module", broken)
+    monkeypatch.setattr(diagnose.importlib, "import_module", broken)
     av = NPUBackend.probe()
     assert not av.available
-    assert av.reason.startswith("torch_npu failed to import: ImportError: libascendcl.so")
+    assert av.reason.startswith("torch_npu cannot load the CANN runtime (ImportError: libascendcl.so")
+    assert "set_env.sh" in av.fix
 
 
 def test_probe_reports_no_device(monkeypatch):

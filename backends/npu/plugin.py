@@ -23,8 +23,6 @@ reason, never raised.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import sys
 from typing import Any
@@ -32,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from polyrunner.backends.diagnose import Runtime, check_library
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
 from polyrunner.plugin_api import (
     STATIC_DECODE,
@@ -59,23 +58,29 @@ from polyrunner.plugin_api import (
 logger = logging.getLogger(__name__)
 
 
-def import_torch_npu() -> tuple[Any | None, str]:
-    """(torch_npu, "") or (None, why not). Never raises; imports only if installed."""
-    if "torch_npu" in sys.modules:  # autoloaded by `import torch`, or imported by the user
-        module = sys.modules["torch_npu"]
-    else:
-        if importlib.util.find_spec("torch_npu") is None:
-            return None, "torch_npu is not installed"
-        try:
-            module = importlib.import_module("torch_npu")
-        except Exception as exc:  # noqa: BLE001 - CANN missing, version mismatch, ...
-            return None, f"torch_npu failed to import: {type(exc).__name__}: {exc}"
+# torch_npu loads CANN's libraries (libascendcl, libhccl, libge_runner, ...) at import
+CANN = Runtime("CANN", r"ascend|libhccl|libacl|libge_|libgraph|libopapi|libruntime|libtsdclient|\bcann\b",
+               "install the CANN toolkit, then: source /usr/local/Ascend/ascend-toolkit/set_env.sh")
+
+
+def diagnose_torch_npu() -> tuple[Any | None, str, str]:
+    """(torch_npu, "", "") or (None, why not, the command that fixes it). Never raises;
+    imports torch_npu only when it is installed for the installed torch."""
+    found = check_library("torch_npu", "torch_npu", CANN)  # autoloaded module, wrong torch, CANN, ...
+    if not found.ok:
+        return None, found.reason, found.fix
     try:
         if not hasattr(torch, "npu") or not torch.npu.is_available() or torch.npu.device_count() == 0:
-            return None, "no NPU device"
+            return None, "no NPU device", ""
     except Exception as exc:  # noqa: BLE001
-        return None, f"NPU probe failed: {type(exc).__name__}: {exc}"
-    return module, ""
+        return None, f"NPU probe failed: {type(exc).__name__}: {exc}", ""
+    return found.module, "", ""
+
+
+def import_torch_npu() -> tuple[Any | None, str]:
+    """(torch_npu, "") or (None, why not). Never raises; imports only if installed."""
+    module, reason, _ = diagnose_torch_npu()
+    return module, reason
 
 
 def explain_capture_error(exc: BaseException) -> str:
@@ -137,9 +142,9 @@ class NPUBackend(Backend):
 
     @classmethod
     def probe(cls) -> Availability:
-        module, reason = import_torch_npu()
+        module, reason, fix = diagnose_torch_npu()
         if module is None:
-            return Availability(False, reason)
+            return Availability(False, reason, fix=fix)
         try:
             i = torch.npu.current_device()
             return Availability(True, "", f"npu:{i} ({torch.npu.get_device_name(i)}, "

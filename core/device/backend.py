@@ -56,11 +56,13 @@ SAMPLING_FEATURES = frozenset({
 
 @dataclass(frozen=True)
 class Availability:
-    """Result of a probe: usable or not, why not, and which device."""
+    """Result of a probe: usable or not, why not (or a note when usable), which device,
+    and the command that fixes what `reason` names (`fix`, shown by `polyrunner backends`)."""
 
     available: bool
     reason: str = ""
     device: str = ""
+    fix: str = ""
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ def select_backend(name: str | None = None) -> Backend:
             raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(by_name))}")
         info = by_name[name]
         if not info.availability.available:
-            raise RuntimeError(f"backend {name!r} is unavailable: {info.availability.reason}")
+            fix = f"; to fix: {info.availability.fix}" if info.availability.fix else ""
+            raise RuntimeError(f"backend {name!r} is unavailable: {info.availability.reason}{fix}")
         return info.cls()
     for info in infos:
         if info.availability.available:
