@@ -103,8 +103,15 @@ def gguf_file() -> str:
 
 
 def model_folder() -> str:
+    """The embedded model as a plain Hugging Face folder another runner can read: the GGUF
+    conversion keeps no weights, so its dense copy in the dtype polyrunner runs is written here."""
+    import torch
+
+    from polyrunner.models.gguf.tensors import dense_copy
     from polyrunner.models.source import resolve_model_folder
-    return str(resolve_model_folder(None))
+    folder = str(resolve_model_folder(None))
+    dense_copy(folder, getattr(torch, polyrunner_dtype(folder)))
+    return folder
 
 
 def polyrunner_dtype(folder: str) -> str:

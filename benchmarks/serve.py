@@ -6,8 +6,8 @@ own serving benchmark client, on the same model and machine, in one run.
         [--out table.txt]
 
 - Model: the embedded SmolLM2-135M-Instruct GGUF, converted once by polyrunner
-  into a Hugging Face folder (`resolve_model_folder(None)`, config + safetensors
-  + tokenizer files); both servers load that same folder, in the dtype
+  into a Hugging Face folder (`compare.model_folder()`: config + tokenizer files
+  + a dense safetensors copy in polyrunner's dtype); both servers load that same folder, in the dtype
   polyrunner's "auto" resolves to on this CPU (bfloat16 with AVX512_BF16/AMX).
 - Servers, one at a time, each a subprocess on 127.0.0.1 at a free port:
   `polyrunner serve --model FOLDER --backend cpu` (this venv) and

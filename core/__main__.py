@@ -3,4 +3,4 @@
 from polyrunner.tools.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -6,10 +6,11 @@ names its allowed range; pydantic's error names the field that broke it.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from polyrunner import envs
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # What `Logprob.logprob` holds (vLLM's `logprobs_mode`): "raw" = the model's logits before
@@ -66,7 +67,7 @@ class SchedulerConfig(_Strict):
                                           "step N runs on the device (vLLM's name); None: the backend's "
                                           "`Capabilities.async_scheduling`")
     grammar_compile_timeout_s: float = Field(
-        default_factory=lambda: float(os.environ.get("POLYRUNNER_GRAMMAR_COMPILE_TIMEOUT_S", 10.0)), gt=0,
+        default_factory=lambda: envs.GRAMMAR_COMPILE_TIMEOUT_S.get(), gt=0,
         description="seconds a structured-output request may wait for its grammar (compiled in a worker "
         "pool, off the step; queueing counts); past it the request fails alone with a ValueError (HTTP 400). "
         "Default: env POLYRUNNER_GRAMMAR_COMPILE_TIMEOUT_S, else 10")

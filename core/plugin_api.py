@@ -3,7 +3,9 @@
     from polyrunner.plugin_api import Availability, Backend, BucketPolicy, Capabilities, hookimpl
 
 A plugin imports `polyrunner.plugin_api` (plus torch, numpy and its own
-device library) and nothing else from polyrunner: the modules behind these
+device library) and nothing else from polyrunner — except `polyrunner.envs`,
+whose `declare` it may import directly in a light `envs.py` module so that the
+table of environment variables is built without importing torch: the modules behind these
 names may move, these names stay. See `docs/plugins.md` for the contract
 (what is REQUIRED or OPTIONAL, when the core calls it, what it must keep
 true) and `examples/minimal_plugin.py` for a whole plugin in one page.
@@ -30,6 +32,9 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   core `Sampler` and its pieces (`compute_logprobs`, `gather_logprobs`,
   `apply_top_k_top_p`, `apply_min_p`, `LogprobsTensors`, `LogprobsLists`) for
   a backend's own on-device sampling function (`GraphExecutor.sample`);
+- environment variables: `declare` (a plugin's own `POLYRUNNER_<NAME>_*` variables:
+  name, type, default, meaning; listed by `python -m polyrunner.tools.env_table`) and
+  `cache_root` (the folder for a plugin's compiled artefacts);
 - `EngineConfig`: the configuration the hooks and `Backend` methods receive;
   `StepInputs`: a step's padded host arrays (`Backend.host_attention_extras`).
 """
@@ -63,6 +68,7 @@ from polyrunner.device.graphs import (
     worst_case_profile,
 )
 from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.envs import cache_root, declare
 from polyrunner.plugins import hookimpl, register
 from polyrunner.runner.inputs import StepInputs
 from polyrunner.sample import (
@@ -95,6 +101,8 @@ __all__ = [
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",
+    # environment variables and the cache folder
+    "declare", "cache_root",
     # stream graphs (CUDA-like device modules)
     "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "profiled_kv_budget",
     "pinned_upload", "async_to_host", "worst_case_profile",

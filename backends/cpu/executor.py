@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from polyrunner.backends.cpu import kernels, threads
+from polyrunner.backends.cpu import envs, kernels, threads
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
 from polyrunner.backends.cpu.graphs import CPUGraphAPI
@@ -158,7 +158,7 @@ class PackedLinear(nn.Module):
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
-    if dtype != torch.bfloat16 or os.environ.get("POLYRUNNER_CPU_PACK", "1") == "0":
+    if dtype != torch.bfloat16 or not envs.PACK.get():
         return False
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -302,15 +302,15 @@ class CPUExecutor(StaticGraphExecutor):
                          num_warmups=0)          # a capture runs the step itself; nothing to warm up first
         keep_freed_memory()   # no page faults on the steps' temporaries (see host_memory.py)
         self.threads = threads.default_threads()  # one per physical core (see threads.py)
-        auto = os.environ.get("POLYRUNNER_CPU_THREADS", "auto") == "auto"
+        auto = threads.threads_auto()
         self.governor = ThreadGovernor(self.threads) if auto else None
         # the decode kernels' work-sharing pool: helpers on one CPU per physical core
         self.spin_us = threads.spin_us()
         kernels.start_pool(self.threads, threads.physical_cpus() if auto else None, self.spin_us)
         self._spinning = True
         self._sampler = Sampler(argmax=kernels.argmax_f32)
-        small = os.environ.get("POLYRUNNER_CPU_SMALL_STEP_THREADS")
-        self.small_threads = max(1, min(self.threads, int(small))) if small else None
+        small = envs.SMALL_STEP_THREADS.get()
+        self.small_threads = max(1, min(self.threads, small)) if small is not None else None
         self._current_threads = None
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         self.packed_logits: nn.Module | None = quantized_lm_head(model)  # GGUF blocks, when quantized
@@ -323,7 +323,7 @@ class CPUExecutor(StaticGraphExecutor):
             n = pack_linears(model, hint)
             logger.debug("packed %d linear layers for oneDNN", n)
         fused = 0
-        if dtype == torch.bfloat16 and os.environ.get("POLYRUNNER_CPU_FUSE", "1") != "0":
+        if dtype == torch.bfloat16 and envs.FUSE.get():
             fused = fuse_elementwise(model)
         forward_rows = pool_step_rows(model)
         self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
@@ -331,7 +331,7 @@ class CPUExecutor(StaticGraphExecutor):
         # no all-reduce between them (tensor parallelism)
         graphs = (lib is not None and fused > 0 and not config.runner.enforce_eager
                   and config.parallel.tensor_parallel_size == 1
-                  and os.environ.get("POLYRUNNER_CPU_GRAPHS", "1") != "0")
+                  and envs.GRAPHS.get())
         self.graph_rows = min(forward_rows, config.scheduler.max_num_seqs) if graphs else 0   # the forward only
 
     def prepare(self, run_dummy, buckets: BucketPolicy) -> None:

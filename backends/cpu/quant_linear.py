@@ -30,14 +30,13 @@ avx2); `POLYRUNNER_CPU_QUANT_ISA=<name>` forces one (an error if not built).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu import envs, kernels
 from polyrunner.backends.cpu.kernel_calls import call
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
@@ -91,7 +90,7 @@ def isa_unavailable_reason(isa: str, lib: ctypes.CDLL | None = None) -> str | No
 
 def default_isa(lib: ctypes.CDLL | None = None) -> str:
     """`POLYRUNNER_CPU_QUANT_ISA`, else the fastest path `lib` has."""
-    forced = os.environ.get("POLYRUNNER_CPU_QUANT_ISA")
+    forced = envs.QUANT_ISA.get()
     if forced:
         why = isa_unavailable_reason(forced, lib)
         if why is not None:

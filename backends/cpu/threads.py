@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from polyrunner.backends.cpu import envs
+
 SYS_CPU = Path("/sys/devices/system/cpu")
 
 
@@ -63,27 +65,17 @@ def rank_cpus(local_rank: int, local_size: int) -> list[int]:
     return sorted(cpu for cpu, c in core.items() if c in mine)
 
 
+def threads_auto() -> bool:
+    """Whether `POLYRUNNER_CPU_THREADS` is "auto" (the default): the count follows the load."""
+    return envs.THREADS.get() == "auto"
+
+
 def default_threads() -> int:
     """`POLYRUNNER_CPU_THREADS`, or the number of physical cores ("auto", the default)."""
-    setting = os.environ.get("POLYRUNNER_CPU_THREADS", "auto")
-    if setting == "auto":
-        return max(1, len(physical_cpus()))
-    try:
-        value = int(setting)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"POLYRUNNER_CPU_THREADS must be 'auto' or an integer >= 1, got {setting!r}")
-    return value
+    setting = envs.THREADS.get()
+    return max(1, len(physical_cpus())) if setting == "auto" else setting
 
 
 def spin_us() -> int:
     """`POLYRUNNER_CPU_SPIN_US` (default 200): how long an idle pool helper spins before sleeping."""
-    setting = os.environ.get("POLYRUNNER_CPU_SPIN_US", "200")
-    try:
-        value = int(setting)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"POLYRUNNER_CPU_SPIN_US must be an integer >= 0, got {setting!r}")
-    return value
+    return envs.SPIN_US.get()

@@ -36,6 +36,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from polyrunner.backends.cuda import envs
+from polyrunner.backends.diagnose import check_pinned, cuda_torch_fix, find_compiler
 from polyrunner.plugin_api import (
     Availability,
     Backend,
@@ -64,7 +66,7 @@ AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 def load_attention() -> tuple[AttentionOp, bool]:
     """(op, length_adaptive): the Triton op when triton imports, else the SDPA
     fallback with a warning saying why. Never raises."""
-    if os.environ.get("POLYRUNNER_CUDA_TRITON", "1") == "0":
+    if not envs.TRITON.get():
         logger.info("cuda: POLYRUNNER_CUDA_TRITON=0: SDPA paged attention")
         return sdpa_paged_attention, False
     if importlib.util.find_spec("triton") is None:
@@ -78,6 +80,20 @@ def load_attention() -> tuple[AttentionOp, bool]:
                        type(exc).__name__, exc)
         return sdpa_paged_attention, False
     return triton_paged_attention, True
+
+
+def triton_note() -> tuple[str, str]:
+    """("", "") when Triton attention will run, else (why not, the fix): triton missing,
+    not the version torch pins, failing to import, or no C compiler to build its launcher."""
+    if not envs.TRITON.get():
+        return "", ""
+    found = check_pinned("triton", "triton")
+    if not found.ok:
+        return f"{found.reason}: SDPA paged attention (slower decode)", found.fix
+    if find_compiler() is None:
+        return ("no C compiler on PATH (cc, gcc or clang): Triton cannot build its launcher",
+                "install a C compiler (e.g. apt-get install gcc)")
+    return "", ""
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -118,15 +134,16 @@ class CUDABackend(Backend):
     @classmethod
     def probe(cls) -> Availability:
         reason = cuda_unavailable_reason()
-        if reason is not None:
-            return Availability(False, reason)
+        if reason is not None:   # a CPU-only torch build names the CUDA build's install command
+            return Availability(False, reason, fix=cuda_torch_fix() if torch.version.cuda is None else "")
         try:
             i = torch.cuda.current_device()
             props = torch.cuda.get_device_properties(i)
-            return Availability(True, "", f"cuda:{i} ({props.name}, {props.total_memory / 2**30:.0f} GiB, "
-                                          f"CUDA {torch.version.cuda})")
+            device = f"cuda:{i} ({props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda})"
         except Exception as exc:  # noqa: BLE001
             return Availability(False, f"CUDA device query failed: {type(exc).__name__}: {exc}")
+        note, fix = triton_note()
+        return Availability(True, note, device, fix=fix)
 
     @property
     def device(self) -> torch.device:

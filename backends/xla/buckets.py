@@ -19,9 +19,9 @@ is allowed: the runner then splits such a step into row windows.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
+from polyrunner.backends.xla import envs
 from polyrunner.plugin_api import BucketPolicy, exponential_sizes, gap_incremental_sizes
 
 if TYPE_CHECKING:
@@ -31,26 +31,6 @@ logger = logging.getLogger(__name__)
 
 MIN_NUM_SEQS = 8
 DEFAULT_MIN_TOKENS = 16
-
-
-def _env_list(name: str) -> list[int] | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return sorted({int(x) for x in raw.replace(" ", "").split(",") if x})
-    except ValueError:
-        raise ValueError(f"{name} must be a comma-separated list of integers, got {raw!r}") from None
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def token_buckets(max_tokens: int, min_tokens: int = DEFAULT_MIN_TOKENS, gap: int = 0) -> list[int]:
@@ -74,12 +54,10 @@ def request_buckets(max_num_seqs: int, limit: int | None = None) -> list[int]:
 
 def xla_bucket_policy(config: "EngineConfig", max_reqs_limit: int | None = None) -> BucketPolicy:
     sched, runner = config.scheduler, config.runner
-    tokens = runner.token_buckets or _env_list("POLYRUNNER_XLA_TOKEN_BUCKETS")
+    tokens = runner.token_buckets or envs.TOKEN_BUCKETS.get()
     if tokens is None:
-        tokens = token_buckets(sched.max_num_batched_tokens,
-                               _env_int("POLYRUNNER_XLA_MIN_TOKENS", DEFAULT_MIN_TOKENS),
-                               _env_int("POLYRUNNER_XLA_BUCKET_GAP", 0))
-    reqs = runner.request_buckets or _env_list("POLYRUNNER_XLA_REQUEST_BUCKETS")
+        tokens = token_buckets(sched.max_num_batched_tokens, envs.MIN_TOKENS.get(), envs.BUCKET_GAP.get())
+    reqs = runner.request_buckets or envs.REQUEST_BUCKETS.get()
     if reqs is None:
         reqs = request_buckets(sched.max_num_seqs, max_reqs_limit)
     tokens, reqs = sorted(set(tokens)), sorted(set(reqs))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Any, Callable
 
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from polyrunner.backends.xla import envs
 from polyrunner.plugin_api import BucketPolicy, GraphExecutor, ModelInputs, SamplerOutput, SamplingMetadata
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,
@@ -54,7 +54,7 @@ class RecompilationError(RuntimeError):
 
 
 def strict_from_env() -> bool:
-    return os.environ.get("POLYRUNNER_XLA_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.STRICT.get()
 
 
 def select_buckets(num_tokens: int, request_buckets: list[int]) -> list[int]:

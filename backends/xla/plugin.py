@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from polyrunner.backends.xla import envs
+from polyrunner.backends.diagnose import Runtime, check_library, installed_version
+from polyrunner.backends.supported_versions import STACKS
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 from polyrunner.plugin_api import (
     NULL_BLOCK,
@@ -48,7 +51,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 XLA_SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "logprobs"})
-CPU_KV_CAP_BYTES = 1 << 30  # default KV budget on the CPU PJRT device (host memory)
+
+
+# torch_xla loads libtpu at import only on a TPU VM; a libtpu that fails to load names itself
+LIBTPU = Runtime("TPU (libtpu)", r"libtpu", STACKS["tpu"].install)
 
 
 def _device_kind() -> str:
@@ -78,19 +84,23 @@ class XLABackend(Backend):
     def probe(cls) -> Availability:
         # Read before importing: torch_xla's import fills in PJRT_DEVICE=CPU by default.
         explicit = os.environ.get("PJRT_DEVICE")
-        try:
-            import torch_xla
-        except ImportError:
-            return Availability(False, "torch_xla is not installed")
-        except Exception as exc:  # a broken install must not break listing
-            return Availability(False, f"torch_xla failed to import: {type(exc).__name__}: {exc}")
+        found = check_library("torch_xla", "torch_xla", LIBTPU)  # not installed / wrong torch / broken
+        if not found.ok:
+            return Availability(False, found.reason, fix=found.fix)
+        torch_xla = found.module
+        libtpu = installed_version("libtpu") or installed_version("libtpu-nightly")
+        tpu_fix = "" if libtpu else STACKS["tpu"].install
         try:
             kind = _device_kind()
             if not explicit and kind != "TPU":
-                return Availability(False, "no TPU found (set PJRT_DEVICE=CPU to run on the CPU XLA device)")
+                runtime = f"libtpu {libtpu} is installed" if libtpu else "libtpu is not installed"
+                return Availability(False, f"no TPU found ({runtime}; set PJRT_DEVICE=CPU to run on the CPU "
+                                           "XLA device)", fix="export PJRT_DEVICE=CPU (the CPU XLA device)"
+                                    + (f", or on a TPU VM: {tpu_fix}" if tpu_fix else ""))
             device = torch_xla.device()
         except Exception as exc:
-            return Availability(False, f"no XLA device: {type(exc).__name__}: {exc}")
+            why = f"no XLA device: {type(exc).__name__}: {exc}"
+            return Availability(False, why + ("" if libtpu else " (libtpu is not installed)"), fix=tpu_fix)
         return Availability(True, "", f"{device} ({kind})")
 
     @property
@@ -112,7 +122,7 @@ class XLABackend(Backend):
     def use_pallas(self) -> bool:
         """Pallas ragged paged attention: real TPU only (unverified on hardware)."""
         if self._pallas is None:
-            self._pallas = self.on_tpu and os.environ.get("POLYRUNNER_XLA_PALLAS", "1") != "0"
+            self._pallas = self.on_tpu and envs.PALLAS.get()
         return self._pallas
 
     # ---- padding --------------------------------------------------------------
@@ -138,7 +148,7 @@ class XLABackend(Backend):
         free, total = self.memory_info()
         if self.on_tpu:
             return max(0, int(total * config.cache.memory_utilization) - (total - free))
-        cap = int(os.environ.get("POLYRUNNER_XLA_CPU_KV_BYTES", CPU_KV_CAP_BYTES))
+        cap = envs.CPU_KV_BYTES.get()
         return max(0, min(cap, int(free * config.cache.memory_utilization) - weights_bytes))
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:

@@ -20,12 +20,12 @@ bad_words, prompt_logprobs.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from polyrunner.backends.xla import envs
 from polyrunner.plugin_api import (
     HostSamplingRows,
     LogprobsLists,
@@ -38,8 +38,8 @@ from polyrunner.plugin_api import (
 
 MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9
-STOP_WIDTH = int(os.environ.get("POLYRUNNER_XLA_STOP_WIDTH", "8"))       # min_tokens stop ids per row
-MAX_LOGPROBS = int(os.environ.get("POLYRUNNER_XLA_MAX_LOGPROBS", "20"))  # K of the logprob graph
+STOP_WIDTH = envs.STOP_WIDTH.get()       # min_tokens stop ids per row
+MAX_LOGPROBS = envs.MAX_LOGPROBS.get()   # K of the logprob graph
 
 
 # ---- counter-based noise ----------------------------------------------------

@@ -225,6 +225,7 @@ class StaticGraphExecutor(GraphExecutor):
         sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
         if not sizes:
             return
+        logger.info("%s: capturing %d decode graphs (batch sizes %s)", self.api.name, len(sizes), sizes)
         t0, free0 = time.perf_counter(), self.api.free_memory()
         self._pool = self.api.pool()
         gc.collect()

@@ -10,17 +10,17 @@ a gloo group on the host, which is the device group itself when that is gloo.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from polyrunner import envs
 from polyrunner.distributed.shard import TPShard
 
 # A message up to this size is one broadcast; a longer one takes a second.
 HEADER_BYTES = 64 << 10
-DEFAULT_TIMEOUT_S = 600.0   # a collective waiting this long fails (slow start-ups included)
+DEFAULT_TIMEOUT_S = envs.TP_TIMEOUT_S.default   # a collective waiting this long fails (slow start-ups included)
 
 
 @dataclass
@@ -94,8 +94,7 @@ class TensorParallel:
 def init_tensor_parallel(shard: TPShard, comm_backend: str, init_method: str, device: torch.device,
                          timeout_s: float | None = None) -> TensorParallel:
     """Join the group (every rank calls this with the same `init_method`)."""
-    timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("POLYRUNNER_TP_TIMEOUT_S",
-                                                                           DEFAULT_TIMEOUT_S)))
+    timeout = datetime.timedelta(seconds=timeout_s or envs.TP_TIMEOUT_S.get())
     dist.init_process_group(comm_backend, init_method=init_method, rank=shard.rank, world_size=shard.size,
                             timeout=timeout)
     group = dist.group.WORLD

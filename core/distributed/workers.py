@@ -97,7 +97,8 @@ def start_workers(size: int, init_method: str, config: dict[str, Any], timeout_s
     for rank in range(1, size):
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=worker_main, name=f"polyrunner-tp{rank}", daemon=True,
-                           args=(rank, size, rank, init_method, config, child, plugins))
+                           args=(rank, size, rank, init_method, config, child, plugins,
+                                 logging.getLogger("polyrunner").getEffectiveLevel()))
         proc.start()
         child.close()
         handles.processes[rank], handles.errors[rank] = proc, parent
@@ -190,8 +191,13 @@ def serve_steps(tp: TensorParallel, runner) -> None:
 
 
 def worker_main(rank: int, size: int, local_rank: int, init_method: str, config: dict[str, Any],
-                errors: Connection | None, plugins: dict[str, Any] | None = None) -> None:
-    """A spawned worker process (also the body of a torchrun rank > 0)."""
+                errors: Connection | None, plugins: dict[str, Any] | None = None,
+                log_level: int | None = None) -> None:
+    """A spawned worker process (also the body of a torchrun rank > 0); `log_level`: the
+    driver's level for polyrunner's records (None: logging left as the process has it)."""
+    if log_level is not None:
+        from polyrunner.logging_setup import configure_logging
+        configure_logging(log_level)
     from polyrunner.engine.model_setup import build_tp_rank   # heavy imports in the worker only
     from polyrunner.plugins.manager import register_runtime_plugins
 

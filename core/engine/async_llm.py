@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
@@ -43,6 +42,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyrunner import envs
 from polyrunner.engine.engine_loop import CoreCounts, rebuild_error, sequences
 from polyrunner.engine.engine_process import EngineProcess
 from polyrunner.engine.engine_thread import EngineThread
@@ -151,7 +151,7 @@ class AsyncLLM:
 
     `AsyncLLM(model=None, backend=None, engine_process=False, **kwargs)` takes
     `LLM`'s arguments; `engine_process=True` runs the engine in its own process
-    (None: the `POLYRUNNER_ENGINE_PROCESS` environment variable, "1" or "0").
+    (None: the `POLYRUNNER_ENGINE_PROCESS` environment variable, 1 or 0, default 0).
     `AsyncLLM.from_engine(engine)` wraps an existing `LLMEngine` in a thread (and
     then owns it).
     """
@@ -159,7 +159,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, backend: str | None = None, *,
                  engine_process: bool | None = None, **llm_kwargs: Any) -> None:
         if engine_process is None:
-            engine_process = os.environ.get("POLYRUNNER_ENGINE_PROCESS", "0") not in ("", "0", "false", "False")
+            engine_process = envs.ENGINE_PROCESS.get()
         self._setup()
         if engine_process:
             self._core = EngineProcess({"model": model, "backend": backend, **llm_kwargs},
@@ -438,8 +438,9 @@ class AsyncLLM:
             prompt = stream.prompt
             text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
             ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
-            return RequestOutput(stream.request_id, text, ids, [CompletionOutput(0, "", [], "abort")], finished=True)
-        outs = [c if c.finished else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
+            return RequestOutput(stream.request_id, text, ids, outputs=[CompletionOutput(0, "", [], finish_reason="abort")],
+                                 finished=True)
+        outs = [c if c.finished() else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
         return dataclasses.replace(last, outputs=outs, finished=True)
 
     def _die(self, exc: BaseException) -> None:

@@ -58,7 +58,7 @@ class EngineProcess:
         # not a daemon: a daemon may not start processes, and tensor-parallel workers are
         # the engine's children. At exit `_stop_at_exit` stops it (or it sees the pipe close).
         self.process = ctx.Process(target=_child_main, name="polyrunner-engine",
-                                   args=(child_conn, llm_kwargs, logging.getLogger().getEffectiveLevel()))
+                                   args=(child_conn, llm_kwargs, logging.getLogger("polyrunner").getEffectiveLevel()))
         self.process.start()
         child_conn.close()
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -188,7 +188,8 @@ class _PipeInbox:
 
 def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when the engine stops
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from polyrunner.logging_setup import configure_logging
+    configure_logging(log_level)   # the frontend's level for polyrunner's records
     from polyrunner.llm import LLM   # the heavy imports happen in the child only
 
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from typing import Any
 
@@ -53,6 +54,7 @@ def _short(value: Any, limit: int = 40) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         self.config = config
         self.grammar_pool = None   # GrammarCompilePool, made with the first structured-output request
         self.backend = select_backend(config.runner.backend)
@@ -84,8 +86,9 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, AsyncModelRunnerOutput] | None = None   # asynchronous only
         self._grammar_waiters: dict[str, list[Request]] = {}   # request id -> its children, while compiling
         self.rejected: list[tuple[str, ValueError]] = []   # failed for their grammar in the last step()
-        logger.info("engine ready: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
-                    self.backend.name, self.dtype, self.max_model_len, num_blocks, self.async_scheduling)
+        logger.info("engine ready in %.1f s: backend=%s dtype=%s max_model_len=%d kv_blocks=%d async_scheduling=%s",
+                    time.perf_counter() - start, self.backend.name, self.dtype, self.max_model_len, num_blocks,
+                    self.async_scheduling)
 
     def _check_speculative(self) -> None:
         """Speculative decoding runs with synchronous steps, on a backend

@@ -59,7 +59,11 @@ def max_model_len(arch: DecoderArch, config: EngineConfig) -> int:
 
 
 def load_runner(config: EngineConfig, backend, tp: TensorParallel | None = None) -> LoadedModel:
-    """Load the model (with `tp`: this rank's shard) and make its runner and KV cache."""
+    """Load the model (with `tp`: this rank's shard) and make its runner and KV cache; each
+    stage is logged at INFO with its time (silent unless logging is configured)."""
+    rank = "" if tp is None else f", rank {tp.shard.rank} of {tp.shard.size}"
+    logger.info("model %s on backend %s%s: starting", config.model.model or "(the embedded default)",
+                backend.name, rank)
     folder, hf_config, arch = read_arch(config)
     model_cls = resolve_model_class(arch.architecture)
     limit = max_model_len(arch, config)
@@ -78,8 +82,10 @@ def load_runner(config: EngineConfig, backend, tp: TensorParallel | None = None)
         quantization = None   # "auto": a sharded model runs dequantised
     prepare = None if quantization is None else quantizer(backend, folder, hf_config)
     parallel = {} if tp is None else {"shard": tp.shard, "all_reduce": tp.all_reduce}
+    logger.info("model %s: %s, dtype %s, quantization %s, max_model_len %d", folder, arch.architecture,
+                str(dtype).removeprefix("torch."), quantization, limit)
     model = load_model(folder, model_cls, arch, backend.attention, limit, dtype, backend.device, prepare,
-                       **parallel)
+                       **parallel)   # logs what it loads and how long it took
     runner_arch = arch if tp is None else dataclasses.replace(
         arch, num_heads=tp.shard.num_heads, num_kv_heads=tp.shard.num_kv_heads)
     runner = ModelRunner(config, backend, model, runner_arch, limit, dtype,

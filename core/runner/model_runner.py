@@ -108,6 +108,9 @@ class ModelRunner:
             num_blocks = agree(num_blocks)
         self.num_blocks = num_blocks
         self.kv_caches = self.backend.allocate_kv_cache(self.kv_spec, num_blocks)
+        spec = self.kv_spec
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, spec.block_size,
+                    num_blocks * spec.block_size, num_blocks * spec.page_size_bytes * spec.num_layers / 2**30)
         self.executor.prepare(self._run_dummy, self.buckets)
         return num_blocks
 

@@ -1,0 +1,40 @@
+"""Environment variables of the CPU backend (declared through `polyrunner.envs`, which imports no torch; listed in the README)."""
+
+from __future__ import annotations
+
+from polyrunner.envs import declare
+
+_S = "cpu"
+
+THREADS = declare("POLYRUNNER_CPU_THREADS", int, "auto",
+                  "threads of the CPU backend; auto: one per physical core this process may use, less "
+                  "those other processes keep busy", choices=("auto",), ge=1, section=_S)
+SMALL_STEP_THREADS = declare("POLYRUNNER_CPU_SMALL_STEP_THREADS", int, None,
+                             "fixed thread count for steps of at most 16 tokens (clamped to 1.."
+                             "POLYRUNNER_CPU_THREADS); unset: the same as other steps", section=_S)
+SPIN_US = declare("POLYRUNNER_CPU_SPIN_US", int, 200,
+                  "microseconds an idle pool helper spins before sleeping", ge=0, section=_S)
+KERNELS = declare("POLYRUNNER_CPU_KERNELS", bool, True,
+                  "build and use the C++ kernels; 0: reference attention, unfused modules, oneDNN linears",
+                  section=_S)
+SIMD = declare("POLYRUNNER_CPU_SIMD", bool, True,
+               "0: use the portable kernel build (the plain loops an AVX2-only CPU runs)", section=_S)
+PREFILL_KERNEL = declare("POLYRUNNER_CPU_PREFILL_KERNEL", bool, True,
+                         "0: bfloat16 prefill attention by SDPA instead of the AVX512_BF16 kernel", section=_S)
+AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
+              "0: no AMX small-M linear (decode steps' linears on oneDNN or AVX512_BF16)", section=_S)
+DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,
+                 "0: no AVX512_BF16 small-M linear on CPUs without AMX (oneDNN instead)", section=_S)
+DPBF16_MAX_M = declare("POLYRUNNER_CPU_DPBF16_MAX_M", int, 64,
+                       "most rows a step gives the AVX512_BF16 linear; oneDNN above (read at import)",
+                       ge=0, section=_S)
+PACK = declare("POLYRUNNER_CPU_PACK", bool, True,
+               "0: keep bfloat16 linears unpacked (no oneDNN weight packing)", section=_S)
+FUSE = declare("POLYRUNNER_CPU_FUSE", bool, True,
+               "0: no fused bfloat16 RMSNorm, rotary and SiLU-multiply kernels", section=_S)
+GRAPHS = declare("POLYRUNNER_CPU_GRAPHS", bool, True,
+                 "0: no CPU graphs of decode steps (as enforce_eager, for the CPU backend only)", section=_S)
+QUANT_ISA = declare("POLYRUNNER_CPU_QUANT_ISA", str, None,
+                    "force the GGUF-quantized kernels' instruction-set path (an error if not built); "
+                    "unset: the fastest this build has", choices=("scalar", "avx2", "avxvnni", "avx512vnni"),
+                    section=_S)
