@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,9 +28,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
-from polyrunner.models.gguf import loader as gguf_loader, partial  # noqa: E402
+from polyrunner.models.gguf import loader as gguf_loader, partial, tensors as gguf_tensors  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
 from polyrunner.models.gguf.loader import GGUFError, cached_gguf_folder, convert_gguf  # noqa: E402
 from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
@@ -52,6 +53,11 @@ CORPUS = [p for p in PROMPTS if p.strip()] * 3 + [
 
 
 # ------------------------------------------------------------------ helpers
+
+
+def load_file(folder: Path) -> dict[str, torch.Tensor]:
+    """A converted folder's tensors in float32, read from its GGUF file (no dense copy kept)."""
+    return dict(gguf_tensors.iter_weights(folder, torch.float32, keep=False))
 
 
 def _transformers_tensors(folder: Path, name: str, with_config: bool = False):
@@ -298,7 +304,7 @@ def test_smollm2_weights_and_config_equal_transformers(smol):
 
     src_dir, name, folder = smol
     ref, ref_cfg = _transformers_tensors(src_dir, name, with_config=True)
-    mine = load_file(folder / "model.safetensors")
+    mine = load_file(folder)
     assert set(mine) == set(ref)  # tied: no lm_head.weight, like the HF checkpoint
     for key, value in ref.items():
         assert mine[key].dtype == torch.float32
@@ -355,7 +361,7 @@ def tiny_llama(tmp_path_factory):
 
 def test_every_quant_type_dequantizes_to_the_reference(tiny_llama):
     base, name, folder, expected = tiny_llama
-    mine = load_file(folder / "model.safetensors")
+    mine = load_file(folder)
     for gguf_name, qtype in ALL_TYPES.items():
         hf = gguf_loader._hf_tensor_name(gguf_name, 2)
         got = mine[hf].numpy()
@@ -393,7 +399,7 @@ def test_config_torch_dtype_is_the_precision_of_the_weights(tmp_path, types, wan
 def test_tiny_llama_equals_transformers(tiny_llama):
     base, name, folder, _ = tiny_llama
     ref = _transformers_tensors(base, name)
-    mine = load_file(folder / "model.safetensors")
+    mine = load_file(folder)
     assert set(mine) == set(ref) and "lm_head.weight" in mine
     for key in ref:
         torch.testing.assert_close(mine[key], ref[key].float(), rtol=0, atol=1e-6, msg=key)
@@ -402,12 +408,13 @@ def test_tiny_llama_equals_transformers(tiny_llama):
 
 
 def test_tiny_llama_logits_equal_through_transformers(tiny_llama):
-    """The folder is a valid HF checkpoint: transformers loads it without missing keys."""
-    from transformers import AutoModelForCausalLM
+    """The folder's config and weights make a transformers model with no missing or unexpected keys."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     base, name, folder, _ = tiny_llama
-    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    info = model.load_state_dict(load_file(folder), strict=False)
+    assert not info.missing_keys and not info.unexpected_keys
     ref = _transformers_tensors(base, name)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, ref[key].float(), rtol=0, atol=1e-6)
@@ -446,16 +453,18 @@ def test_qwen_files_equal_transformers(tmp_path, arch):
                     qk_norm=arch == "qwen3", tied=True)
     folder = convert_gguf(tmp_path / "q.gguf", tmp_path / "out")
     ref = _transformers_tensors(tmp_path, "q.gguf")
-    mine = load_file(folder / "model.safetensors")
+    mine = load_file(folder)
     assert set(mine) == set(ref)
     for key in ref:
         torch.testing.assert_close(mine[key], ref[key].float(), rtol=0, atol=1e-6, msg=key)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == arch and cfg["architectures"] == [f"{arch.capitalize()}ForCausalLM"]
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    info = model.load_state_dict(mine, strict=False)
+    tied = {"lm_head.weight"} if cfg["tie_word_embeddings"] else set()   # the embedding, shared
+    assert set(info.missing_keys) == tied and not info.unexpected_keys
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
@@ -502,7 +511,7 @@ def test_unsupported_quant_type_is_named(tmp_path):
     write_tiny_gguf(tmp_path / "iq.gguf", tokenizer=None, types={"blk.0.ffn_up.weight": Q.IQ2_XXS})
     with pytest.raises(GGUFError, match=r"iq\.gguf.*IQ2_XXS.*supported: .*Q4_K.*Q6_K"):
         convert_gguf(tmp_path / "iq.gguf", tmp_path / "out")
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert not (tmp_path / "out" / gguf_tensors.TENSORS_FILE).exists()
 
 
 @pytest.mark.parametrize("arch", ["mamba", "gpt2"])
@@ -551,12 +560,12 @@ def test_cache_converts_once(small_file, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_loader, "convert_gguf", lambda *a: calls.append(a) or real(*a))
     cache = tmp_path / "cache"
     first = cached_gguf_folder(small_file, cache)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / gguf_tensors.TENSORS_FILE).stat().st_mtime_ns
     started = time.perf_counter()
     second = cached_gguf_folder(small_file, cache)
     hit = time.perf_counter() - started
     assert first == second and len(calls) == 1
-    assert (second / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (second / gguf_tensors.TENSORS_FILE).stat().st_mtime_ns == stamp
     assert hit < 0.05, f"a cache hit took {hit:.3f} s"
     assert Tokenizer.from_folder_or_none(second) is not None
     assert [p.name for p in cache.iterdir()] == [first.name]  # no temp folder left behind
@@ -572,11 +581,11 @@ def test_cache_ignores_partial_entries(small_file, tmp_path, monkeypatch):
     folder = cached_gguf_folder(small_file, cache)
     # Simulate a crash mid-write: the entry lost its completion marker and a temp folder lingers.
     (folder / gguf_loader.MARKER_FILE).unlink()
-    (folder / "model.safetensors").write_bytes(b"garbage")
+    (folder / gguf_tensors.TENSORS_FILE).write_bytes(b"garbage")
     (cache / f".{folder.name}.abc.partial").mkdir()
     again = cached_gguf_folder(small_file, cache)
     assert again == folder and (again / gguf_loader.MARKER_FILE).is_file()
-    assert load_file(again / "model.safetensors")  # rewritten, readable
+    assert load_file(again)  # rewritten, readable
 
     # A failing conversion leaves neither an entry nor a temp folder.
     def boom(src, out):
@@ -666,6 +675,9 @@ def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.delenv("POLYRUNNER_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert gguf_loader.gguf_cache_root() == tmp_path / "xdg" / "polyrunner" / "gguf"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gguf_loader.gguf_cache_root() == tmp_path / "home" / ".cache" / "polyrunner" / "gguf"
 
 
 def test_smollm2_greedy_equals_transformers(smol):
@@ -693,3 +705,165 @@ def test_smollm2_greedy_equals_transformers(smol):
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == ref, prompt
+
+
+# ------------------------------------------------------------------ no weight copy; dense copies per dtype
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_default_run_keeps_no_weight_copy(tmp_path, monkeypatch):
+    """The embedded model run as `polyrunner generate` runs it (quantized on the CPU): the
+    cache holds config, tokenizer and indexes only, at most 1.1x the GGUF file (the
+    dequantized float32 copy of before was 5.5x)."""
+    from polyrunner import LLM, SamplingParams
+
+    try:
+        src = default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "gguf")
+    llm = LLM(backend="cpu", max_model_len=64)
+    assert llm.engine.quantization == "gguf"
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert not list((tmp_path / "gguf").rglob("*.safetensors"))
+    assert _folder_bytes(tmp_path / "gguf") <= 1.1 * src.stat().st_size
+
+
+def test_dense_run_keeps_a_copy_in_its_dtype_only(tmp_path, monkeypatch):
+    """An explicit dtype dequantizes the blocks once, into `model.<dtype>.safetensors`
+    (equal to the float32 values cast), which the next run in that dtype reads; a
+    quantized run, and a file of float tensors, keep no copy."""
+    from safetensors.torch import load_file as read_safetensors
+
+    from polyrunner import LLM, SamplingParams
+
+    write_tiny_gguf(tmp_path / "m.gguf", tokenizer="bpe", tied=True)   # Q8_0 embeddings: block-quantized
+    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "cache")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run() -> list[int]:
+        llm = LLM(str(tmp_path / "m.gguf"), backend="cpu", dtype="bfloat16", max_model_len=64)
+        return llm.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    first = run()
+    [entry] = (tmp_path / "cache").iterdir()
+    assert sorted(p.name for p in entry.glob("*.safetensors")) == ["model.bfloat16.safetensors"]
+    assert not list(entry.glob(".*.partial"))
+    kept, want = read_safetensors(entry / "model.bfloat16.safetensors"), load_file(entry)
+    assert set(kept) == set(want)
+    for name, value in want.items():
+        assert kept[name].dtype == torch.bfloat16 and torch.equal(kept[name], value.to(torch.bfloat16)), name
+
+    real = gguf_tensors._read_gguf
+    monkeypatch.setattr(gguf_tensors, "_read_gguf", lambda *a, **k: pytest.fail("dequantized the file again"))
+    assert run() == first
+    monkeypatch.setattr(gguf_tensors, "_read_gguf", real)
+
+    # a quantized run reads the rest in place and writes nothing
+    skip = frozenset(n for n in want if ".mlp." in n)
+    read = dict(gguf_tensors.iter_weights(entry, torch.float16, skip))
+    assert set(read) == set(want) - skip and not (entry / "model.float16.safetensors").exists()
+    # float tensors only: read in place with a cast, never copied
+    write_tiny_gguf(tmp_path / "f.gguf", tokenizer=None, types={"token_embd.weight": Q.F16, "output.weight": Q.F32})
+    folder = convert_gguf(tmp_path / "f.gguf", tmp_path / "f")
+    assert len(dict(gguf_tensors.iter_weights(folder, torch.bfloat16))) > 0
+    assert not list(folder.glob("*.safetensors"))
+    # ... unless a program that reads the folder as a plain checkpoint asks for one
+    copy = gguf_tensors.dense_copy(folder, torch.float32)
+    assert [p.name for p in folder.glob("*.safetensors")] == [copy.name] == ["model.float32.safetensors"]
+    assert read_safetensors(copy).keys() == load_file(folder).keys()
+
+
+def test_old_version_entries_are_reclaimed(small_file, tmp_path):
+    """An entry of an earlier conversion version (with its float32 copy) of the same file goes
+    when the file is converted again; another file's entry and unfinished ones stay."""
+    cache = tmp_path / "cache"
+    src = small_file.resolve()
+    old = cache / f"{small_file.stem}-0123456789abcdef"
+    other = cache / f"{small_file.stem}-fedcba9876543210"
+    unfinished = cache / f"{small_file.stem}-00000000000000aa"
+    for entry, source in ((old, str(src)), (other, "/elsewhere/m.gguf"), (unfinished, None)):
+        entry.mkdir(parents=True)
+        (entry / "model.safetensors").write_bytes(bytes(1000))
+        if source is not None:
+            (entry / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": source, "conversion_version": 3}))
+    folder = cached_gguf_folder(small_file, cache)
+    assert not old.exists() and other.exists() and unfinished.exists() and folder.is_dir()
+
+
+def test_folder_whose_gguf_file_changed_is_refused(small_file, tmp_path):
+    folder = cached_gguf_folder(small_file, tmp_path / "cache")
+    os.utime(small_file, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with pytest.raises(GGUFError, match=r"m\.gguf changed since this folder was converted"):
+        next(gguf_tensors.iter_weights(folder, torch.float32))
+    small_file.unlink()
+    with pytest.raises(GGUFError, match=r"m\.gguf this folder's weights are read from is gone"):
+        next(gguf_tensors.iter_weights(folder, torch.float32))
+
+
+# ------------------------------------------------------------------ progress; import errors
+
+
+def test_conversion_and_loading_say_what_they_do(small_file, tmp_path, monkeypatch, caplog, capfd):
+    """INFO lines with sizes and timings where logging shows them; nothing at all on
+    stderr in library use, where logging is not configured."""
+    from polyrunner import LLM
+
+    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "cache")
+    with caplog.at_level("INFO", logger="polyrunner"):
+        LLM(str(small_file), backend="cpu", dtype="float32", max_model_len=64)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    for pattern in (r"converting .*m\.gguf \(\d+ MB\) -> .*cache", r"converted m\.gguf in \d+\.\d s",
+                    r"dequantizing \d+ tensors into .*model\.float32\.safetensors",
+                    r"loading \d+ tensors \(0 run quantized, \d+ dense in float32\)", r"loaded \d+ tensors in \d+\.\d s"):
+        assert re.search(pattern, text), pattern
+    capfd.readouterr()
+    caplog.clear()
+    logger = logging.getLogger("polyrunner")
+    level = logger.level
+    logger.setLevel(logging.NOTSET)   # as in an application that configures nothing
+    try:
+        LLM(str(small_file), backend="cpu", dtype="bfloat16", max_model_len=64)
+    finally:
+        logger.setLevel(level)
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("where", ["import", "read"])
+def test_a_missing_module_is_named_not_taken_for_corruption(small_file, tmp_path, monkeypatch, where):
+    """gguf 0.10 imports sentencepiece: its absence is a missing dependency with the pip
+    command, not a "corrupt or truncated" file."""
+    import builtins
+    from importlib import metadata
+
+    missing = ModuleNotFoundError("No module named 'sentencepiece'", name="sentencepiece")
+    if where == "import":
+        real_import = builtins.__import__
+
+        def fake_import(name, *args, **kwargs):
+            if name == "gguf" or name.startswith("gguf."):
+                raise missing
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", fake_import)
+    else:
+        class Reader(gguf.GGUFReader):   # a module gguf imports while reading
+            def __init__(self, *a, **k):
+                raise missing
+
+        monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    with pytest.raises(ImportError) as exc:
+        convert_gguf(small_file, tmp_path / "out")
+    assert not isinstance(exc.value, GGUFError)
+    assert str(exc.value).startswith(f"the gguf package (version {metadata.version('gguf')}) needs sentencepiece, "
+                                     "which cannot be imported: pip install sentencepiece")
+
+
+def test_gguf_not_installed_is_named(small_file, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)   # import gguf -> ModuleNotFoundError(name="gguf")
+    with pytest.raises(ImportError, match=r"reading GGUF files needs the gguf package.*: pip install gguf"):
+        convert_gguf(small_file, tmp_path / "out")

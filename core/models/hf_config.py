@@ -55,7 +55,8 @@ def read_json_file(path: Path) -> Any:
 
 class _Strict(BaseModel):
     # strict: "64" is not an integer and 1e12 (a JSON float) is not one either; NaN/inf are no numbers
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True,
+                              protected_namespaces=())   # config.json's `model_type` is a field
 
 
 class RopeConfig(_Strict):

@@ -4,11 +4,17 @@ A bad file fails before anything is allocated, with an error naming the file
 (and the config field): config.json that is not JSON or holds a bad value
 (`hf_config.py`), a corrupt or truncated safetensors shard, a checkpoint whose
 tensor shapes do not match config.json (`read_model_config`).
+
+A converted GGUF folder (`gguf/loader.py`) holds no weight copy: its tensors are
+read from the GGUF file in place, dequantized into the run dtype
+(`gguf/tensors.py`); every function here takes such a folder like any other.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -16,7 +22,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from polyrunner.models.arch import DecoderArch
+from polyrunner.models.gguf import tensors as gguf_tensors
 from polyrunner.models.hf_config import HFDecoderConfig, ModelConfigTypeError, ModelFileError, read_json_file
+from polyrunner.models.progress import progress
+
+logger = logging.getLogger(__name__)
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -86,6 +96,9 @@ def _read(f: Any, path: Path, name: str) -> torch.Tensor:
 def iter_weights(folder: str | Path, dtype: torch.dtype,
                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors in `dtype`, except those named in `skip` (never read)."""
+    if gguf_tensors.is_gguf_folder(folder):
+        yield from gguf_tensors.iter_weights(folder, dtype, skip)
+        return
     for path in safetensors_files(folder):
         with _open(path) as f:
             for name in f.keys():
@@ -94,7 +107,10 @@ def iter_weights(folder: str | Path, dtype: torch.dtype,
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Every tensor's shape and shard file, from the safetensors headers (no tensor is read)."""
+    """Every tensor's shape and shard file, from the safetensors headers (no tensor is read);
+    for a converted GGUF folder from its tensor index, naming the GGUF file."""
+    if gguf_tensors.is_gguf_folder(folder):
+        return gguf_tensors.tensor_shapes(folder)
     shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
     for path in safetensors_files(folder):
         with _open(path) as f:
@@ -151,7 +167,9 @@ def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: 
     """Build `model_cls` on `device` in `dtype` and load the folder's weights.
     `prepare(model)`, called before any weight is read, may replace modules and
     returns the checkpoint names it made unneeded (they are not read).
-    `read_model_config` gives an `arch` whose sizes the checkpoint's tensors have."""
+    `read_model_config` gives an `arch` whose sizes the checkpoint's tensors have.
+    Logs (INFO) what it loads and how long it took; a tqdm bar while it reads
+    where those lines are shown on a terminal (`progress.py`)."""
     with torch.device("meta"):  # no random init: every parameter is loaded below
         model = model_cls(arch, attn_op, max_positions, **parallel)   # tensor-parallel: shard, all_reduce
     for param in model.parameters():  # on meta: free; buffers (rotary tables) stay float32, like Hugging Face
@@ -161,5 +179,12 @@ def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: 
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     skip = frozenset(prepare(model)) if prepare is not None else frozenset()
-    model.load_weights(iter_weights(folder, dtype, skip))
+    names = checkpoint_shapes(folder)
+    dense = len(set(names) - skip)
+    where = gguf_tensors.describe_source(folder, dtype, skip) if gguf_tensors.is_gguf_folder(folder) else folder
+    logger.info("loading %d tensors (%d run quantized, %d dense in %s) from %s", len(names), len(skip & set(names)),
+                dense, str(dtype).removeprefix("torch."), where)
+    started = time.perf_counter()
+    model.load_weights(progress(iter_weights(folder, dtype, skip), logger, "loading weights", total=dense))
+    logger.info("loaded %d tensors in %.1f s", dense, time.perf_counter() - started)
     return model.eval().requires_grad_(False)

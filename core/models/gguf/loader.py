@@ -7,7 +7,9 @@ loader only reads Hugging Face folders, so a GGUF is converted once into one:
     config.json              LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM; its
                              torch_dtype is the precision the file's weights carry
                              (`weights_dtype`), which `dtype="auto"` runs in
-    model.safetensors        float32, Hugging Face tensor names, written tensor by tensor
+    gguf_tensors.json        where every tensor (Hugging Face name) lies in the GGUF file:
+                             no weight is copied; `tensors.py` reads them in place,
+                             dequantized into the run dtype, when the model loads
     tokenizer.json           built with `tokenizers` from the vocabulary in the metadata
     tokenizer_config.json    special tokens, add_bos_token, chat template
     generation_config.json   bos / eos ids
@@ -15,32 +17,35 @@ loader only reads Hugging Face folders, so a GGUF is converted once into one:
                              GGUF file (`quantized.py` reads them for backends that
                              run GGUF blocks as they are)
 
-The result equals what transformers gives for the same file
+The folder plus the GGUF file equal what transformers gives for the same file
 (`from_pretrained(dir, gguf_file=...)`): the same dequantized values (through
 `gguf.quants.dequantize`), llama.cpp's rotary row permutation of q_proj/k_proj
 undone, and a tokenizer that encodes the same ids. `cached_gguf_folder` does
-the conversion once per file and afterwards only checks a path.
+the conversion once per file (metadata and tokenizer only: the folder holds a
+few MB) and afterwards only checks a path.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from polyrunner import envs
 from polyrunner.models.gguf import partial
-from polyrunner.models.gguf.errors import GGUFError
+from polyrunner.models.gguf.errors import GGUFError, gguf_import_error
+from polyrunner.models.gguf.tensors import FLOAT_TYPES, TENSORS_FILE
 from polyrunner.models.gguf.vocab import build_tokenizer
 
 __all__ = [
@@ -63,12 +68,16 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
-# Bump when the output of a conversion changes, so old cache entries are not reused.
-CONVERSION_VERSION = 3
+logger = logging.getLogger(__name__)
+
+# Bump when the output of a conversion changes, so old cache entries are not reused
+# (4: no float32 model.safetensors; weights read from the GGUF file, `tensors.py`).
+CONVERSION_VERSION = 4
 MARKER_FILE = "polyrunner_gguf.json"
 QUANTIZED_FILE = "gguf_quantized.json"
-# Types whose matrices are recorded in QUANTIZED_FILE (a backend executes what it can of them).
-DENSE_TYPES = ("F32", "F16", "BF16")
+# Types whose matrices are not recorded in QUANTIZED_FILE (every other type's are: a backend
+# executes what it can of them).
+DENSE_TYPES = FLOAT_TYPES
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -106,6 +115,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     gf = _GGUFFile.open(path)
     config, plan = gf.model_plan()  # every check happens before anything is written
+    index = _tensor_index(plan, path)
     tok = gf.tokenizer()
     out.mkdir(parents=True, exist_ok=True)
     if tok is not None:
@@ -115,7 +125,8 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     else:  # no vocabulary in the file: leave no stale tokenizer from an earlier conversion
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (out / name).unlink(missing_ok=True)
-    _write_safetensors(out / "model.safetensors", plan, path)
+    (out / "model.safetensors").unlink(missing_ok=True)   # an earlier version's float32 copy
+    _write_json(out / TENSORS_FILE, index)
     quantized = {p.name: p.quantized for p in plan if p.quantized is not None}
     if quantized:
         _write_json(out / QUANTIZED_FILE, {"source": str(path.resolve()), "tensors": quantized})
@@ -124,15 +135,15 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         (out / QUANTIZED_FILE).unlink(missing_ok=True)
     _write_json(out / "generation_config.json", gf.generation_config())
     _write_json(out / "config.json", config)
+    logger.info("read %s: %s, %d tensors (%d block-quantized matrices)", path.name, gf.file_type_name(),
+                len(plan), len(quantized))
     return out
 
 
 def gguf_cache_root() -> Path:
-    """`$POLYRUNNER_CACHE/gguf`, else `$XDG_CACHE_HOME/polyrunner/gguf`, else `~/.cache/polyrunner/gguf`."""
-    if os.environ.get("POLYRUNNER_CACHE"):
-        return Path(os.environ["POLYRUNNER_CACHE"]).expanduser() / "gguf"
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
-    return base / "polyrunner" / "gguf"
+    """`envs.cache_root()/gguf`: `$POLYRUNNER_CACHE/gguf`, else `$XDG_CACHE_HOME/polyrunner/gguf`,
+    else `~/.cache/polyrunner/gguf`."""
+    return envs.cache_root() / "gguf"
 
 
 def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -160,6 +171,8 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
     root.mkdir(parents=True, exist_ok=True)
     partial.reclaim_abandoned(root.glob(".*.partial"))  # left by killed conversions (see partial.py)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=root))
+    logger.info("converting %s (%.0f MB) -> %s (config and tokenizer; the weights stay in the file)",
+                src, st.st_size / 1e6, folder)
     try:
         partial.claim(tmp)
         started = time.perf_counter()
@@ -182,7 +195,32 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    logger.info("converted %s in %.1f s", src.name, marker["seconds"])
+    reclaimed = reclaim_older_versions(root, src)
+    if reclaimed:
+        logger.info("deleted %d cache entr%s of %s written by older polyrunner versions (%.0f MB)",
+                    len(reclaimed), "y" if len(reclaimed) == 1 else "ies", src.name,
+                    sum(size for _, size in reclaimed) / 1e6)
     return folder
+
+
+def reclaim_older_versions(root: Path, src: Path) -> list[tuple[Path, int]]:
+    """Delete the cache entries of the GGUF file `src` that an older CONVERSION_VERSION
+    wrote (before version 4: a float32 copy of the weights, ~5x the file); returns
+    each deleted folder with the bytes it held. Entries of other files, and of newer
+    versions, are left alone."""
+    gone = []
+    for entry in root.glob(f"{_safe_name(src.stem)}-*"):
+        try:
+            marker = json.loads((entry / MARKER_FILE).read_text())
+        except (OSError, ValueError):
+            continue   # no marker: not a finished entry (or not ours); never delete it here
+        version = marker.get("conversion_version") if isinstance(marker, dict) else None
+        if marker.get("source") == str(src) and isinstance(version, int) and version < CONVERSION_VERSION:
+            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append((entry, size))
+    return gone
 
 
 # -------------------------------------------------------------- the GGUF file
@@ -190,12 +228,13 @@ def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | N
 
 @dataclass
 class _TensorPlan:
-    """One output tensor: its HF name and shape, and how to compute it; for a
-    quantized matrix also where its blocks lie (an entry of QUANTIZED_FILE)."""
+    """One output tensor: its HF name and shape, and where it lies in the GGUF file
+    (`where`, an entry of TENSORS_FILE); for a quantized matrix also its entry of
+    QUANTIZED_FILE."""
 
     name: str
     shape: tuple[int, ...]
-    load: Callable[[], np.ndarray]
+    where: dict[str, Any]
     quantized: dict[str, Any] | None = None
 
 
@@ -216,9 +255,13 @@ class _GGUFFile:
             raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, a GGUF file with b'GGUF')")
         try:
             from gguf import GGUFReader
-
-            reader = GGUFReader(path, "r")
+        except ImportError as exc:  # e.g. gguf 0.10 imports sentencepiece at import time
+            raise gguf_import_error(exc) from None
+        try:
+            reader = _fast_reader(GGUFReader)(path, "r")
             meta = {key: _field_value(field) for key, field in reader.fields.items()}
+        except ImportError as exc:  # a module gguf imports lazily: a missing dependency, not a bad file
+            raise gguf_import_error(exc) from None
         except Exception as exc:  # the gguf package raises bare ValueError/IndexError/KeyError
             raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(exc).__name__}: {exc})") from None
         size = path.stat().st_size
@@ -234,6 +277,15 @@ class _GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.meta.get(key, default)
+
+    def file_type_name(self) -> str:
+        """llama.cpp's name of the file's quantization ("Q4_1", "Q4_K_M"), or "unknown"."""
+        try:
+            from gguf import LlamaFileType
+
+            return LlamaFileType(self.get("general.file_type")).name.removeprefix("MOSTLY_")
+        except (ImportError, ValueError):
+            return "unknown"
 
     def need(self, key: str) -> Any:
         if key not in self.meta:
@@ -371,11 +423,12 @@ class _GGUFFile:
                         f"{self.path}: tensor {t.name!r} has {shape[0]} rows, expected "
                         f"{permute_heads} heads x {head_dim} = {permute_heads * head_dim}"
                     )
+            where = {"name": t.name, "type": t.tensor_type.name, "shape": list(shape),
+                     "offset": int(t.data_offset), "nbytes": int(t.n_bytes), "permute_heads": permute_heads}
             quantized = None
             if len(shape) == 2 and t.tensor_type.name not in DENSE_TYPES:
-                quantized = {"type": t.tensor_type.name, "shape": list(shape), "offset": int(t.data_offset),
-                             "nbytes": int(t.n_bytes), "permute_heads": permute_heads}
-            plan.append(_TensorPlan(hf_name, shape, _loader(self.path, t, shape, permute_heads), quantized))
+                quantized = {k: where[k] for k in ("type", "shape", "offset", "nbytes", "permute_heads")}
+            plan.append(_TensorPlan(hf_name, shape, where, quantized))
         if unknown:
             raise GGUFError(
                 f"{self.path}: tensors this loader cannot place in a {arch} model: "
@@ -455,52 +508,16 @@ def _dense(t: Any) -> np.ndarray:
     return np.asarray(out, dtype=np.float32)
 
 
-def _loader(path: Path, t: Any, shape: tuple[int, ...], permute_heads: int | None) -> Callable[[], np.ndarray]:
-    def load() -> np.ndarray:
-        try:
-            w = _dense(t).reshape(shape)
-        except Exception as exc:
-            raise GGUFError(
-                f"{path}: cannot dequantize tensor {t.name!r} ({t.tensor_type.name}): {type(exc).__name__}: {exc}"
-            ) from None
-        if permute_heads is not None:
-            w = _unpermute_rotary(w, permute_heads)
-        return w
-
-    return load
-
-
-def _unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute(w, n_head, n_head_kv)` on q/k rows (weights and biases)."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_safetensors(out: Path, plan: list[_TensorPlan], src: Path) -> None:
-    """Stream tensors into a safetensors file: the header is known from the shapes, so
-    only one dequantized tensor is in memory at a time."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "gguf"}}
-    offset = 0
-    seen = set()
+def _tensor_index(plan: list[_TensorPlan], src: Path) -> dict[str, Any]:
+    """TENSORS_FILE: every tensor's place in the GGUF file, and the file's size and mtime
+    (a folder whose file changed since is refused at load, `tensors.py`)."""
+    tensors: dict[str, Any] = {}
     for p in plan:
-        if p.name in seen:
+        if p.name in tensors:
             raise GGUFError(f"{src}: two tensors map to {p.name}")
-        seen.add(p.name)
-        nbytes = 4 * math.prod(p.shape)
-        header[p.name] = {"dtype": "F32", "shape": list(p.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(out, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for p in plan:
-            arr = np.ascontiguousarray(p.load(), dtype="<f4")
-            if arr.shape != p.shape:
-                raise GGUFError(f"{src}: tensor {p.name} came out {arr.shape}, expected {p.shape}")
-            f.write(memoryview(arr).cast("B"))
-        f.flush()
-        os.fsync(f.fileno())  # the cache marker written after this must not outlive the data
+        tensors[p.name] = p.where
+    st = src.stat()
+    return {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "tensors": tensors}
 
 
 # ------------------------------------------------------------------ rope
@@ -566,6 +583,23 @@ def _field_value(field: Any) -> Any:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
     value = field.parts[field.data[0]].tolist()[0]
     return bool(value) if kind == T.BOOL else value
+
+
+def _fast_reader(base: type) -> type:
+    """gguf's GGUFReader, its file map held as a plain ndarray view instead of an
+    np.memmap: the metadata parse slices the map ~250,000 times for a 49k-token
+    vocabulary, and np.memmap's per-slice Python hook made that 3x slower (SmolLM2:
+    4.7 s -> 1.4 s). The bytes are the same memory-mapped file."""
+    class Reader(base):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain_data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    return Reader
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from polyrunner.models.gguf import tensors as gguf_tensors
 from polyrunner.models.gguf.errors import GGUFError
 
 logger = logging.getLogger(__name__)
@@ -101,9 +103,11 @@ def quantizer(backend: Any, folder: str | Path, hf_config: dict[str, Any]) -> Ca
     swaps the built (not yet loaded) model's modules; returns the checkpoint
     names that are then not read."""
     def prepare(model: nn.Module) -> set[str]:
+        started = time.perf_counter()
         qm = quantized_model(model, folder, hf_config)
         swapped = backend.quantize_model(model, qm)
-        logger.info("quantization gguf: %d modules run quantized by backend %s", swapped, backend.name)
+        logger.info("quantization gguf: %d modules run quantized by backend %s (blocks read and prepared in "
+                    "%.1f s)", swapped, backend.name, time.perf_counter() - started)
         return qm.replaced_weights()
     return prepare
 
@@ -116,6 +120,8 @@ def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dic
         return {}
     index = json.loads((Path(folder) / name).read_text())
     src = Path(index["source"])
+    if gguf_tensors.is_gguf_folder(folder):
+        gguf_tensors.checked_source(gguf_tensors.read_index(folder))   # gone or changed: a clear error
     if not src.is_file():
         raise GGUFError(f"{folder}: its GGUF file {src} is gone; convert it again")
     out = {}
