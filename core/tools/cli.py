@@ -3,34 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 import time
 
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--backend", default=None, help="backend name (default: best available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over this many devices (processes; several hosts: torchrun)")
-    p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='speculative decoding as JSON (vLLM\'s), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+from polyrunner.tools.engine_args import (HelpFormatter, add_chat_template_arg, add_engine_args, engine_kwargs,
+                                          load_chat_template)
 
 
 def _make_llm(args: argparse.Namespace):
+    kwargs = engine_kwargs(args)
+    logging.getLogger(__name__).info(   # the first line a user sees, before seconds of imports
+        "starting: model %s, backend %s; importing torch", kwargs.get("model") or "(the embedded default)",
+        kwargs.get("backend") or "(the best available)")
     from polyrunner.llm import LLM
-    return LLM(model=args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-               seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-               speculative_config=args.speculative_config)
+    return LLM(**kwargs)
 
 
 def _sampling(args: argparse.Namespace):
@@ -40,11 +27,13 @@ def _sampling(args: argparse.Namespace):
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate per output")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens whose "
+                   "probabilities add up to this; 1: all tokens")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 or -1: all")
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of each request's sampling (default: None, the engine's --seed stream)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -67,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    template = load_chat_template(args.chat_template)   # a bad path fails before the model loads
     llm = _make_llm(args)
     params = _sampling(args)
     messages: list[dict] = []
@@ -86,7 +76,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if text.strip() in ("/exit", "/quit"):
                 return 0
         messages.append({"role": "user", "content": text})
-        reply = llm.chat(messages, params)[0].outputs[0].text
+        try:
+            reply = llm.chat(messages, params, use_tqdm=False, chat_template=template)[0].outputs[0].text
+        except Exception as exc:   # the template's raise_exception, an undefined variable, ...
+            if type(exc).__module__.startswith("jinja2"):
+                raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+            raise
         print(reply)
         messages.append({"role": "assistant", "content": reply})
 
@@ -94,35 +89,71 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_backends(args: argparse.Namespace) -> int:
     from polyrunner.plugins import list_backends
     rows = [("name", "available", "reason", "device", "graph mode", "priority")]
+    fixes: list[str] = []
     for info in list_backends():
         a = info.availability
         rows.append((info.name, "yes" if a.available else "no", a.reason or "-", a.device or "-",
                      info.graph_mode, str(info.priority)))
+        if a.fix:
+            fixes.append(f"  {info.name}: {a.fix}")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if fixes:
+        print("\nto fix:")
+        print("\n".join(fixes))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="polyrunner", description=__doc__)
+    parser = argparse.ArgumentParser(prog="polyrunner", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print polyrunner's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    _engine_args(g)
+    g = sub.add_parser("generate", help="generate text for one or more prompts", formatter_class=HelpFormatter,
+                       description="Generate text for one or more prompts (vLLM's LLM.generate).")
+    add_engine_args(g)
     _sampling_args(g, 64)
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompt", action="append",
+                   help="prompt text (repeatable; default: 'The capital of France is')")
     g.set_defaults(func=cmd_generate)
-    c = sub.add_parser("chat", help="chat with the model (interactive, or one-shot with --message)")
-    _engine_args(c)
+    c = sub.add_parser("chat", help="chat with the model (interactive, or one-shot with --message)",
+                       formatter_class=HelpFormatter,
+                       description="Chat with the model through its chat template (vLLM's LLM.chat); "
+                                   "/exit or end of input stops.")
+    add_engine_args(c)
+    add_chat_template_arg(c)
     _sampling_args(c, 256)
-    c.add_argument("--message", action="append", help="one-shot user message (repeatable)")
+    c.add_argument("--message", action="append",
+                   help="one-shot user message (repeatable; default: read messages from the terminal)")
     c.add_argument("--system", default=None, help="system prompt")
     c.set_defaults(func=cmd_chat)
-    b = sub.add_parser("backends", help="list backends and whether they are available")
+    b = sub.add_parser("backends", help="list backends and whether they are available",
+                       formatter_class=HelpFormatter)
     b.set_defaults(func=cmd_backends)
     for extra in _extra_commands():
         extra(sub)
+    for p in sub.choices.values():
+        _add_log_level(p)
     return parser
+
+
+def _add_log_level(p: argparse.ArgumentParser) -> None:
+    """`--log-level` on a subcommand (one definition for all of them, plugin-added ones included)."""
+    from polyrunner.logging_setup import LOG_LEVELS
+    if any("--log-level" in a.option_strings for a in p._actions):
+        return
+    p.add_argument("--log-level", default=None, choices=list(LOG_LEVELS),
+                   help="log level of polyrunner's messages (default: $POLYRUNNER_LOGGING_LEVEL, else info)")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("polyrunner")
+    except Exception:   # not installed (a source checkout on sys.path)
+        from polyrunner import __version__
+        return __version__
 
 
 def _extra_commands():
@@ -138,6 +169,9 @@ def _extra_commands():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from polyrunner.logging_setup import configure_logging
+        level = configure_logging(getattr(args, "log_level", None))
+        args.log_level = logging.getLevelName(level).lower()   # what --log-level resolved to (serve: uvicorn's)
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"polyrunner: error: {exc}", file=sys.stderr)

@@ -20,14 +20,20 @@ from typing import Any
 WORKLOAD_CHOICES = ["w1", "w2", "w3", "coldstart", "overhead", "roofline", "all"]
 
 
+# the engine options a benchmark may change (the others are fixed so runs compare; see run.ENGINE_OPTIONS)
+BENCH_ENGINE_ARGS = {"dtype", "quantization", "enforce_eager"}
+
+
 def add_parser(subparsers) -> None:
+    from polyrunner.tools.engine_args import HelpFormatter, add_engine_args
     p = subparsers.add_parser("bench", help="run the performance benchmarks (CPU backend)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", nargs="+", default=["all"], choices=WORKLOAD_CHOICES)
+                              description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--workload", nargs="+", default=["all"], choices=WORKLOAD_CHOICES,
+                   help="workloads to run (w1-w3: generation; coldstart: time to the first token of a new "
+                        "process; overhead: host time per step; roofline: matmul rate; all: every one)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per workload (median reported)")
-    p.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--overhead-steps", type=int, default=200)
+    add_engine_args(p, only=BENCH_ENGINE_ARGS)
+    p.add_argument("--overhead-steps", type=int, default=200, help="engine steps timed by the overhead workload")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=cmd_bench)
 
@@ -102,7 +108,10 @@ def format_report(out: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    out = run_bench(args.workload, args.repeats, args.model, args.enforce_eager, args.overhead_steps)
+    from polyrunner.tools.engine_args import engine_kwargs
+    options = engine_kwargs(args)
+    model, enforce_eager = options.pop("model"), options.pop("enforce_eager")
+    out = run_bench(args.workload, args.repeats, model, enforce_eager, args.overhead_steps, **options)
     print(format_report(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -50,16 +50,19 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
               max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              shutdown_timeout: float | None = None, retry_after_s: int = 1) -> FastAPI:
+              shutdown_timeout: float | None = None, retry_after_s: int = 1,
+              chat_template: str | None = None) -> FastAPI:
     """The app. `max_waiting`: answer 503 + Retry-After when a request's sequences
     (prompts x n) would make more than this many wait for a slot.
     `max_prompts_per_request`: 400 above it. `shutdown_timeout`: when not None, the
     app owns `async_llm`: once the server's shutdown begins (`app.state.drain()`),
     calls still open after that many seconds end with a 503, and the app then
-    shuts `async_llm` down."""
+    shuts `async_llm` down. `chat_template`: the template chat requests render with
+    (vLLM's `--chat-template`; None: the model's own)."""
     names = list(served_model_names or ["polyrunner"])
     server = Server(async_llm, names, max_waiting, max_prompts_per_request, retry_after_s,
                     ServerMetrics(async_llm, names[0]))
+    server.chat_template = chat_template
     async_llm.add_stats_listener(server.metrics.on_step)
 
     @asynccontextmanager
@@ -206,6 +209,7 @@ class Server:
         self.calls: set[Call] = set()
         self._deadline: float | None = None   # loop time at which open calls expire (shutdown)
         self._shut: P.RequestError | None = None   # after the deadline: the answer to every call
+        self.chat_template: str | None = None      # the server's --chat-template (None: the model's)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model == "":
@@ -237,7 +241,8 @@ class Server:
         def render() -> tuple[str, list[int]]:
             msgs = [m.for_template() for m in messages]
             try:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+                text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                               chat_template=self.chat_template, **extra)
             except Exception as exc:   # the template's raise_exception, a bad template variable, ...
                 raise P.RequestError(f"the chat template cannot render these messages: {exc}",
                                      "messages") from None

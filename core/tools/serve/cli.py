@@ -1,7 +1,8 @@
 """`polyrunner serve`: the OpenAI-compatible HTTP server.
 
     polyrunner serve                                   # embedded model on http://127.0.0.1:8000
-    polyrunner serve --model ./my-llama --port 9000 --api-key secret --max-waiting 256
+    polyrunner serve ./my-llama --port 9000 --api-key secret --max-waiting 256
+    polyrunner serve Org/Model --gpu-memory-utilization 0.5 --no-enable-prefix-caching
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics, /tokenize, /detokenize. The engine runs in its own process
@@ -11,28 +12,32 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 from pathlib import Path
+
+from polyrunner.tools.serve import envs
+from polyrunner.tools.engine_args import (HelpFormatter, add_chat_template_arg, add_engine_args, engine_kwargs,
+                                          load_chat_template)
 
 
 def add_parser(subparsers) -> None:
-    from polyrunner.tools.cli import _engine_args
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("POLYRUNNER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $POLYRUNNER_API_KEY; none: open)")
+                              description=__doc__, formatter_class=HelpFormatter)
+    add_engine_args(p)
+    add_chat_template_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $POLYRUNNER_API_KEY; unset: open)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the model's file or folder name)")
+                   help="model name(s) clients use (default: the model's file or folder name, or its Hugging Face "
+                        "name as given)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="answer 503 + Retry-After when a request's sequences (prompts x n) would make more than "
                         "this many wait for a slot (default: no cap)")
     p.add_argument("--max-prompts-per-request", type=int, default=None,
                    help="answer 400 to a /v1/completions request with more prompts than this (default: 256)")
-    p.add_argument("--max-request-body-bytes", type=int, default=None, help="413 above this (default 4 MiB)")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="answer 413 to a request body larger than this many bytes (default: 4 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGINT/SIGTERM, seconds to let in-flight requests finish; then each gets a 503 "
                         "error (a stream: an error event, then [DONE]) and is aborted")
@@ -42,14 +47,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="map the KV cache's pages in the background after start-up, so no step pays a first-touch "
                         "page fault (default; host-memory backends)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
 def default_model_name(model: str | None) -> str:
+    """The name clients use by default: the file's stem or the folder's name; a
+    Hugging Face name (org/name) as given, as vLLM does."""
     if model is None:
         from polyrunner.models.default_model import DEFAULT_MODEL_FILE
         return DEFAULT_MODEL_FILE.split(".")[0]
+    from polyrunner.models.hub import is_hub_name
+    if is_hub_name(model):
+        return model
     path = Path(model)
     return path.stem if path.suffix == ".gguf" else path.name or str(model)
 
@@ -60,21 +69,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                    build_app)
     from polyrunner.tools.serve.launcher import make_server, run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    async_llm = AsyncLLM(model=args.model, backend=args.backend, dtype=args.dtype,
-                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=args.enforce_eager,
-                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                         speculative_config=args.speculative_config,
-                         prefault_kv_cache=args.prefault_kv_cache, engine_process=args.engine_process)
+    chat_template = load_chat_template(args.chat_template)   # a bad path fails before the model loads
+    api_key = args.api_key if args.api_key is not None else envs.API_KEY.get()
+    log_level = getattr(args, "log_level", None) or "info"   # main() sets it from --log-level
+    async_llm = AsyncLLM(**engine_kwargs(args), prefault_kv_cache=args.prefault_kv_cache,
+                         engine_process=args.engine_process)
     names = args.served_model_name or [default_model_name(args.model)]
-    app = build_app(async_llm, served_model_names=names, api_key=args.api_key, max_waiting=args.max_waiting,
+    app = build_app(async_llm, served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_prompts_per_request=args.max_prompts_per_request or DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                    shutdown_timeout=args.shutdown_timeout)
+                    shutdown_timeout=args.shutdown_timeout, chat_template=chat_template)
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
-                         log_level=args.log_level)
+                         log_level=log_level)
     try:
         return run_server(server)
     finally:

@@ -79,9 +79,9 @@ class Format:
                 continue
             new_text = c.text[text_len:]
             new_tokens = self.wants_tokens and len(c.token_ids) > n_tokens
-            if not (new_text or new_tokens or c.finished or first):
+            if not (new_text or new_tokens or c.finished() or first):
                 continue
-            self._sent[index] = (len(c.text), len(c.token_ids), c.finished)
+            self._sent[index] = (len(c.text), len(c.token_ids), c.finished())
             out.append((index, c, new_text, n_tokens, first))
         return out
 
@@ -195,7 +195,7 @@ class ChatFormat(Format):
             for index, c, text, start, _ in self.deltas(event):
                 choices.append(P.ChatChunkChoice(
                     index=index, delta=P.DeltaMessage(content=text), logprobs=self.logprobs(c, start),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finished else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason if c.finished() else None,
                     token_ids=c.token_ids[start:] if ids else None))
             if choices:
                 yield chunk(choices)
