@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from polyrunner.beam_search import BeamSearchOutput, beam_search
+from polyrunner.chat_utils import (ChatTemplateContentFormat, conversations_of, format_content, render_kwargs,
+                                   resolve_content_format)
 from polyrunner.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig,
                                SpeculativeConfig)
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
+from polyrunner.llm_args import check_no_effect_args, note_trust_remote_code
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import BeamSearchParams, SamplingParams
 
@@ -38,6 +42,11 @@ class LLM:
     `speculative_config` turns on speculative decoding, vLLM's dict form, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     "prompt_lookup_max": 4} (see `polyrunner.config.SpeculativeConfig`).
+    `trust_remote_code` is accepted (True logs that it is not needed: no model code
+    is run); vLLM's arguments that make no difference here (`tokenizer_mode`,
+    `revision`, `swap_space`, ...) are accepted with the values polyrunner honours
+    (see `polyrunner.llm_args`); `strict_no_recompile`, `token_buckets`,
+    `request_buckets` go to `RunnerConfig`; any other keyword is a TypeError.
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
@@ -52,7 +61,12 @@ class LLM:
                  logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  tensor_parallel_size: int = 1, speculative_config: dict | SpeculativeConfig | None = None,
-                 **runner_options) -> None:
+                 trust_remote_code: bool = False, **kwargs: Any) -> None:
+        note_trust_remote_code(trust_remote_code)
+        runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager"}
+        runner_options = {k: v for k, v in kwargs.items() if k in runner_fields}
+        check_no_effect_args({k: v for k, v in kwargs.items() if k not in runner_fields},
+                             [*inspect.signature(LLM.__init__).parameters, *runner_fields])
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
                               tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
@@ -144,12 +158,17 @@ class LLM:
                 self.engine.abort_request(rid)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's offline beam search on top of `generate` (see `polyrunner.beam_search`).
         Returns per prompt the `beam_width` best sequences, best first; an invalid
-        prompt gets no sequences (all prompts invalid: ValueError)."""
+        prompt gets no sequences (all prompts invalid: ValueError).
+        `concurrency_limit`: at most that many prompts are searched at once, in
+        chunks of that size in prompt order (None: all); the results are the same.
+        `lora_request`: vLLM's; only None (polyrunner has no LoRA adapters)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {_kind(params, 'BeamSearchParams')}")
+        _no_lora(lora_request)
         tokenizer = self.get_tokenizer()
         eos = tokenizer.eos_token_id if tokenizer is not None else next(iter(self.engine.arch.eos_token_ids), None)
 
@@ -157,21 +176,51 @@ class LLM:
             return self._generate(prompt_list, step_params, False, None, raise_all_invalid=first)
 
         prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-        return beam_search(generate, prompt_list, params, eos, self.engine.max_model_len, tokenizer, use_tqdm)
+        return beam_search(generate, prompt_list, params, eos, self.engine.max_model_len, tokenizer, use_tqdm,
+                           concurrency_limit)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate
-        (`sampling_params`: one for all conversations, or a list of one each)."""
+             use_tqdm: bool = True, lora_request: Any = None, chat_template: str | None = None,
+             chat_template_content_format: ChatTemplateContentFormat = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: render each conversation with the chat template, then generate.
+
+        `messages`: one conversation (a list of message dicts) or a list of them;
+        `sampling_params`: one for all conversations, or a list of one each;
+        `chat_template`: a template string instead of the model's;
+        `chat_template_content_format`: "string" / "openai" / "auto" (see
+        `polyrunner.chat_utils.resolve_content_format`);
+        `add_generation_prompt`: end with the assistant turn's header;
+        `continue_final_message`: leave the last message open so generation continues it
+        (needs add_generation_prompt=False, as in vLLM); `tools`: the template's `tools`;
+        `chat_template_kwargs`: more template variables (not "chat_template" / "tokenize";
+        the named arguments win). The prompt text equals transformers'
+        `apply_chat_template(..., tokenize=False)` for the same arguments.
+        `lora_request` / `mm_processor_kwargs`: vLLM's; only None (text models, no LoRA)."""
+        _no_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs is not supported: polyrunner runs text-only models")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = conversations_of(messages)
         params = _broadcast(sampling_params, len(conversations))   # a bad argument fails before templating
+        options = render_kwargs(chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, tools=tools)
+        template = chat_template if chat_template is not None else self.tokenizer.chat_template
+        content_format = resolve_content_format(template, chat_template_content_format)
+        texts = [self.tokenizer.apply_chat_template(format_content(c, content_format), chat_template=chat_template,
+                                                    **options) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-                   for text in (self.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                                for c in conversations)]
+                   for text in texts]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: polyrunner has no LoRA adapters (pass None)")
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -202,5 +251,5 @@ def _rejected(rid: str, prompt: Prompt, exc: Exception) -> RequestOutput:
     text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
     given = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
     ids = list(given) if isinstance(given, (list, tuple)) else []   # as given: it may be what was wrong
-    return RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], finish_reason="error")],
+    return RequestOutput(rid, text, ids, outputs=[CompletionOutput(0, "", [], finish_reason="error")],
                          finished=True, error=str(exc))

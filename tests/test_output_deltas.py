@@ -38,10 +38,10 @@ def histories(draw):
                     lps[i] = lps[i] + [{t: Logprob(-1.0 * t, 1, str(t))} for t in new]
                 if last or draw(st.integers(0, 5)) == 0:
                     done[i] = draw(st.sampled_from(["stop", "length"]))
-            outs.append(CompletionOutput(i, texts[i], list(ids[i]), done[i], None,
-                                         list(lps[i]) if want_lp else None, -1.5 if want_lp else None))
+            outs.append(CompletionOutput(i, texts[i], list(ids[i]), -1.5 if want_lp else None,
+                                         list(lps[i]) if want_lp else None, done[i], None))
         finished = all(d is not None for d in done)
-        history.append(RequestOutput("r", "prompt", [1, 2, 3], outs, list(plp), finished, 2))
+        history.append(RequestOutput("r", "prompt", [1, 2, 3], list(plp), outs, finished, num_cached_tokens=2))
         if finished:
             break
     return history
@@ -52,7 +52,7 @@ def histories(draw):
 def test_deltas_rebuild_every_cumulative_output(requests):
     enc, dec = DeltaEncoder(), DeltaDecoder()
     # interleave the requests' steps as an engine would report them
-    named = [[RequestOutput(f"r{k}", *_fields(o)) for o in h] for k, h in enumerate(requests)]
+    named = [[RequestOutput(f"r{k}", **_fields(o)) for o in h] for k, h in enumerate(requests)]
     for step in range(max(map(len, named))):
         outs = [h[step] for h in named if step < len(h)]
         deltas = pickle.loads(pickle.dumps(enc.encode(outs)))
@@ -60,14 +60,16 @@ def test_deltas_rebuild_every_cumulative_output(requests):
     assert len(dec) == 0 and not enc._sent   # finished requests are forgotten on both sides
 
 
-def _fields(o: RequestOutput) -> tuple:
-    return (o.prompt, o.prompt_token_ids, o.outputs, o.prompt_logprobs, o.finished, o.num_cached_tokens, o.error)
+def _fields(o: RequestOutput) -> dict:
+    return dict(prompt=o.prompt, prompt_token_ids=o.prompt_token_ids, outputs=o.outputs,
+                prompt_logprobs=o.prompt_logprobs, finished=o.finished, num_cached_tokens=o.num_cached_tokens,
+                error=o.error)
 
 
 def test_a_delta_carries_only_what_is_new():
     enc = DeltaEncoder()
-    first = RequestOutput("r", "p", [1] * 100, [CompletionOutput(0, "Hello", [5, 6])], None, False)
-    second = RequestOutput("r", "p", [1] * 100, [CompletionOutput(0, "Hello world", [5, 6, 7])], None, False)
+    first = RequestOutput("r", "p", [1] * 100, outputs=[CompletionOutput(0, "Hello", [5, 6])])
+    second = RequestOutput("r", "p", [1] * 100, outputs=[CompletionOutput(0, "Hello world", [5, 6, 7])])
     d1, = enc.encode([first])
     d2, = enc.encode([second])
     assert d1[1] == ("p", [1] * 100)      # the prompt travels once
@@ -77,6 +79,6 @@ def test_a_delta_carries_only_what_is_new():
 
 def test_a_snapshot_never_changes_after_later_deltas():
     enc, dec = DeltaEncoder(), DeltaDecoder()
-    a = dec.decode(enc.encode([RequestOutput("r", None, [1], [CompletionOutput(0, "x", [4])])])[0])
-    dec.decode(enc.encode([RequestOutput("r", None, [1], [CompletionOutput(0, "xy", [4, 5])])])[0])
+    a = dec.decode(enc.encode([RequestOutput("r", None, [1], outputs=[CompletionOutput(0, "x", [4])])])[0])
+    dec.decode(enc.encode([RequestOutput("r", None, [1], outputs=[CompletionOutput(0, "xy", [4, 5])])])[0])
     assert a.outputs[0].token_ids == [4] and a.outputs[0].text == "x"

@@ -111,13 +111,14 @@ class DeltaDecoder:
             if lps_added is not None:
                 c.logprobs = (c.logprobs or []) + lps_added
             c.finish_reason, c.stop_reason, c.cumulative_logprob = finish, stop, cum
-        outputs = [CompletionOutput(i, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                                    None if c.logprobs is None else list(c.logprobs), c.cumulative_logprob)
+        outputs = [CompletionOutput(i, c.text, list(c.token_ids), c.cumulative_logprob,
+                                    None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason)
                    for i, c in sorted(req.completions.items())]
         if finished:
             del self._requests[rid]
         plp = None if req.prompt_logprobs is None else list(req.prompt_logprobs)
-        return RequestOutput(rid, req.prompt, req.prompt_token_ids, outputs, plp, finished, num_cached, error)
+        return RequestOutput(rid, req.prompt, req.prompt_token_ids, plp, outputs, finished,
+                             num_cached_tokens=num_cached, error=error)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -172,11 +172,11 @@ class OutputProcessor:
                 stop_reason=req.stop_reason,
                 logprobs=None if c.logprobs is None else list(c.logprobs),  # a streamed output must not grow later
                 cumulative_logprob=c.cumulative_logprob))
-        done = all(o.finished for o in outs)
+        done = all(o.finished() for o in outs)
         first = self._completions[parent.children[0]].request
         errors = [self._completions[c].request.error for c in parent.children]
-        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                            parent.prompt_logprobs, done, first.num_cached_tokens,
+        out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
+                            outs, done, num_cached_tokens=first.num_cached_tokens,
                             error=next((e for e in errors if e), None))
         if done:
             self.drop(parent_id)

@@ -235,9 +235,15 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's chat template, as transformers would."""
+        """Render `messages` with the model's chat template, as transformers'
+        `apply_chat_template(..., tokenize=False)` would: keys whose value is None are
+        dropped from each message; `tools`, `documents` and `kwargs` are template
+        variables (kwargs override the special tokens); `continue_final_message`
+        leaves the last message open (its end-of-turn cut off) so generation
+        continues it, and excludes `add_generation_prompt`."""
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
             where = f" ({self.name_or_path})" if self.name_or_path else ""
@@ -246,17 +252,27 @@ class Tokenizer:
                 "chat_template.jinja (or the GGUF's tokenizer.chat_template) defines none. "
                 "Pass a plain prompt instead, or pass chat_template=..."
             )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message "
+                "when you want the model to continue the final message, and add_generation_prompt when you want "
+                "to add a header that will prompt it to start a new assistant message instead."
+            )
+        chat = []
         for message in messages:
             if not isinstance(message, Mapping):
                 raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {message!r}")
+            chat.append({k: v for k, v in message.items() if v is not None})
+        final = _mark_final_message(chat) if continue_final_message else None
         variables = {**self.special_tokens, **kwargs}
-        return _compile_template(template).render(
-            messages=[dict(m) for m in messages],
+        rendered = _compile_template(template).render(
+            messages=chat,
             tools=tools,
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+        return rendered if final is None else _cut_at_final_message(rendered, final)
 
     # ----------------------------------------------------------------- helpers
 
@@ -314,6 +330,46 @@ def _read_chat_template(folder: Path, cfg: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default", next(iter(named.values()), None))
     return template if isinstance(template, str) else None
+
+
+# transformers' marker for continue_final_message: appended to the final message, found in the render, cut there
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _mark_final_message(chat: list[dict[str, Any]]) -> str:
+    """Append the marker to the last message's (last text part of its) content; returns that text."""
+    if not chat:
+        raise ValueError("continue_final_message is set but the conversation is empty!")
+    last = chat[-1] = dict(chat[-1])
+    content = last.get("content")
+    if content is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+    if isinstance(content, (list, tuple)):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and "text" in part:
+                final = part["text"]
+                part["text"] = final + _CONTINUE_TAG
+                last["content"] = parts
+                return final
+        raise ValueError("continue_final_message is set but we could not find any text to continue in the final "
+                         "message!")
+    last["content"] = content + _CONTINUE_TAG
+    return content
+
+
+def _cut_at_final_message(rendered: str, final: str) -> str:
+    """The render up to the marker (transformers' rule: trailing spaces the template trimmed stay trimmed)."""
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
+                         "applying the chat template! This can happen if the chat template deletes portions of the "
+                         "final message. Please verify the chat template and final message in your chat to ensure "
+                         f"they are compatible.Final message to continue: {final.strip()}\nRendered chat:\n{rendered}")
+    at = rendered.rindex(tag)
+    if rendered[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _clean_up_tokenization(text: str) -> str:
