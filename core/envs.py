@@ -127,7 +127,8 @@ CACHE = declare("POLYRUNNER_CACHE", str, "~/.cache/polyrunner",
                 "cache folder: converted GGUF models, compiled CPU kernels (default: "
                 "`$XDG_CACHE_HOME/polyrunner` when XDG_CACHE_HOME is set)")
 LOGGING_LEVEL = declare("POLYRUNNER_LOGGING_LEVEL", str, "info",
-                        "log level of every subcommand when --log-level is not given",
+                        "log level of every subcommand when --log-level is not given (unset: info; "
+                        "warning for `conformance`)",
                         choices=("critical", "error", "warning", "info", "debug"))
 ENGINE_PROCESS = declare("POLYRUNNER_ENGINE_PROCESS", bool, False,
                          "`AsyncLLM` (and `serve`) runs the engine in its own process when "

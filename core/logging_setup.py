@@ -13,10 +13,10 @@ _FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 _DATEFMT = "%H:%M:%S"
 
 
-def resolve_level(level: str | int | None = None) -> int:
-    """The numeric level: the argument when given, else the environment variable, else INFO."""
+def resolve_level(level: str | int | None = None, default: str = "info") -> int:
+    """The numeric level: the argument when given, else the environment variable, else `default`."""
     if level is None:
-        level = envs.LOGGING_LEVEL.get()
+        level = envs.LOGGING_LEVEL.get() if envs.LOGGING_LEVEL.is_set() else default
     if isinstance(level, int):
         return level
     if level.lower() not in LOG_LEVELS:
@@ -24,14 +24,15 @@ def resolve_level(level: str | int | None = None) -> int:
     return getattr(logging, level.upper())
 
 
-def configure_logging(level: str | int | None = None) -> int:
-    """Send polyrunner's log records to stderr at `level`; returns the numeric level.
+def configure_logging(level: str | int | None = None, default: str = "info") -> int:
+    """Send polyrunner's log records to stderr at `level` (None: POLYRUNNER_LOGGING_LEVEL,
+    else `default`); returns the numeric level.
 
     Only the `polyrunner` logger is configured (a handler of its own, no propagation to
     the root), so an application embedding polyrunner keeps its own logging untouched.
     Calling it again changes the level and never adds a second handler.
     """
-    numeric = resolve_level(level)
+    numeric = resolve_level(level, default)
     logger = logging.getLogger("polyrunner")
     logger.setLevel(numeric)
     if not any(getattr(h, "_polyrunner", False) for h in logger.handlers):

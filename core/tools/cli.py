@@ -143,8 +143,9 @@ def _add_log_level(p: argparse.ArgumentParser) -> None:
     from polyrunner.logging_setup import LOG_LEVELS
     if any("--log-level" in a.option_strings for a in p._actions):
         return
+    default = p.get_default("default_log_level") or "info"
     p.add_argument("--log-level", default=None, choices=list(LOG_LEVELS),
-                   help="log level of polyrunner's messages (default: $POLYRUNNER_LOGGING_LEVEL, else info)")
+                   help=f"log level of polyrunner's messages (default: $POLYRUNNER_LOGGING_LEVEL, else {default})")
 
 
 def _version() -> str:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from polyrunner.logging_setup import configure_logging
-        level = configure_logging(getattr(args, "log_level", None))
+        level = configure_logging(getattr(args, "log_level", None), getattr(args, "default_log_level", None) or "info")
         args.log_level = logging.getLevelName(level).lower()   # what --log-level resolved to (serve: uvicorn's)
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -37,7 +37,8 @@ def add_parser(subparsers) -> None:
                    help="torch CPU threads for the run; 1 is fastest on a busy machine (default: torch's own)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print each check as it finishes, and full details (default: off)")
-    p.set_defaults(func=cmd_conformance)
+    # each check starts engines: their start-up INFO lines would bury the report
+    p.set_defaults(func=cmd_conformance, default_log_level="warning")
 
 
 def register_plugin(spec: str) -> None:
