@@ -29,9 +29,10 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from polyrunner.models.gguf import loader as gguf_loader, partial, tensors as gguf_tensors  # noqa: E402
+from polyrunner.models.gguf import cache as gguf_cache, loader as gguf_loader, partial, tensors as gguf_tensors  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
-from polyrunner.models.gguf.loader import GGUFError, cached_gguf_folder, convert_gguf  # noqa: E402
+from polyrunner.models.gguf.cache import cached_gguf_folder  # noqa: E402
+from polyrunner.models.gguf.loader import GGUFError, convert_gguf  # noqa: E402
 from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [
@@ -556,8 +557,8 @@ def small_file(tmp_path):
 
 def test_cache_converts_once(small_file, tmp_path, monkeypatch):
     calls = []
-    real = gguf_loader.convert_gguf
-    monkeypatch.setattr(gguf_loader, "convert_gguf", lambda *a: calls.append(a) or real(*a))
+    real = gguf_cache.convert_gguf
+    monkeypatch.setattr(gguf_cache, "convert_gguf", lambda *a: calls.append(a) or real(*a))
     cache = tmp_path / "cache"
     first = cached_gguf_folder(small_file, cache)
     stamp = (first / gguf_tensors.TENSORS_FILE).stat().st_mtime_ns
@@ -580,11 +581,11 @@ def test_cache_ignores_partial_entries(small_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     folder = cached_gguf_folder(small_file, cache)
     # Simulate a crash mid-write: the entry lost its completion marker and a temp folder lingers.
-    (folder / gguf_loader.MARKER_FILE).unlink()
+    (folder / gguf_cache.MARKER_FILE).unlink()
     (folder / gguf_tensors.TENSORS_FILE).write_bytes(b"garbage")
     (cache / f".{folder.name}.abc.partial").mkdir()
     again = cached_gguf_folder(small_file, cache)
-    assert again == folder and (again / gguf_loader.MARKER_FILE).is_file()
+    assert again == folder and (again / gguf_cache.MARKER_FILE).is_file()
     assert load_file(again)  # rewritten, readable
 
     # A failing conversion leaves neither an entry nor a temp folder.
@@ -592,7 +593,7 @@ def test_cache_ignores_partial_entries(small_file, tmp_path, monkeypatch):
         Path(out, "model.safetensors").write_bytes(b"half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", boom)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", boom)
     other = tmp_path / "other.gguf"
     other.write_bytes(small_file.read_bytes())
     before = set(cache.iterdir())
@@ -605,15 +606,15 @@ def test_cache_ignores_partial_entries(small_file, tmp_path, monkeypatch):
 _HANGING_CONVERSION = """
 import sys, time
 from pathlib import Path
-from polyrunner.models.gguf import loader
+from polyrunner.models.gguf import cache
 
 def hang(src, out):
     Path(out, "model.safetensors").write_bytes(b"half written")
     Path(sys.argv[3]).write_text("converting")
     time.sleep(600)
 
-loader.convert_gguf = hang
-loader.cached_gguf_folder(sys.argv[1], sys.argv[2])
+cache.convert_gguf = hang
+cache.cached_gguf_folder(sys.argv[1], sys.argv[2])
 """
 
 
@@ -637,7 +638,7 @@ def test_a_conversion_killed_by_sigkill_is_reclaimed_by_the_next(small_file, tmp
     assert proc.returncode == -signal.SIGKILL and left.is_dir()
     folder = cached_gguf_folder(small_file, cache)   # the next conversion reclaims it at once
     assert not left.exists()
-    assert (folder / gguf_loader.MARKER_FILE).is_file() and not (folder / partial.OWNER_FILE).exists()
+    assert (folder / gguf_cache.MARKER_FILE).is_file() and not (folder / partial.OWNER_FILE).exists()
     assert sorted(p.name for p in cache.iterdir()) == sorted([folder.name, cached_gguf_folder(other, cache).name])
 
 
@@ -671,13 +672,13 @@ def test_partial_folder_is_reclaimed_when_its_owner_is_gone(tmp_path, owner, age
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
-    assert gguf_loader.gguf_cache_root() == tmp_path / "gguf"
+    assert gguf_cache.gguf_cache_root() == tmp_path / "gguf"
     monkeypatch.delenv("POLYRUNNER_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert gguf_loader.gguf_cache_root() == tmp_path / "xdg" / "polyrunner" / "gguf"
+    assert gguf_cache.gguf_cache_root() == tmp_path / "xdg" / "polyrunner" / "gguf"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert gguf_loader.gguf_cache_root() == tmp_path / "home" / ".cache" / "polyrunner" / "gguf"
+    assert gguf_cache.gguf_cache_root() == tmp_path / "home" / ".cache" / "polyrunner" / "gguf"
 
 
 def test_smollm2_greedy_equals_transformers(smol):
@@ -724,7 +725,7 @@ def test_default_run_keeps_no_weight_copy(tmp_path, monkeypatch):
         src = default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "gguf")
+    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: tmp_path / "gguf")
     llm = LLM(backend="cpu", max_model_len=64)
     assert llm.engine.quantization == "gguf"
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -742,7 +743,7 @@ def test_dense_run_keeps_a_copy_in_its_dtype_only(tmp_path, monkeypatch):
     from polyrunner import LLM, SamplingParams
 
     write_tiny_gguf(tmp_path / "m.gguf", tokenizer="bpe", tied=True)   # Q8_0 embeddings: block-quantized
-    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: tmp_path / "cache")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     def run() -> list[int]:
@@ -790,7 +791,7 @@ def test_old_version_entries_are_reclaimed(small_file, tmp_path):
         entry.mkdir(parents=True)
         (entry / "model.safetensors").write_bytes(bytes(1000))
         if source is not None:
-            (entry / gguf_loader.MARKER_FILE).write_text(json.dumps({"source": source, "conversion_version": 3}))
+            (entry / gguf_cache.MARKER_FILE).write_text(json.dumps({"source": source, "conversion_version": 3}))
     folder = cached_gguf_folder(small_file, cache)
     assert not old.exists() and other.exists() and unfinished.exists() and folder.is_dir()
 
@@ -813,7 +814,7 @@ def test_conversion_and_loading_say_what_they_do(small_file, tmp_path, monkeypat
     stderr in library use, where logging is not configured."""
     from polyrunner import LLM
 
-    monkeypatch.setattr(gguf_loader, "gguf_cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: tmp_path / "cache")
     with caplog.at_level("INFO", logger="polyrunner"):
         LLM(str(small_file), backend="cpu", dtype="float32", max_model_len=64)
     text = "\n".join(r.getMessage() for r in caplog.records)

@@ -185,12 +185,16 @@ class Backend:
     capabilities: OPTIONAL, see `Capabilities`.
     kv_alignment_bytes: OPTIONAL; each layer's KV allocation is a multiple of
       this (e.g. Ascend's 2 MiB); `num_kv_blocks` budgets with it.
+    device_libraries: OPTIONAL; the distributions the backend runs on, which the
+      conformance certificate records with their versions (default: the requirements
+      of the plugin distribution's extra named after the backend).
     """
 
     name: ClassVar[str] = "base"
     priority: ClassVar[int] = 0
     capabilities: ClassVar[Capabilities] = Capabilities()
     kv_alignment_bytes: ClassVar[int] = 1
+    device_libraries: ClassVar[tuple[str, ...]] = ()
     # vLLM's name: checkpoint quantization formats `quantize_model` executes (e.g. "gguf")
     supported_quantization: ClassVar[tuple[str, ...]] = ()
 

@@ -15,7 +15,7 @@ def resolve_model_folder(model: str | None) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-        from polyrunner.models.gguf.loader import cached_gguf_folder
+        from polyrunner.models.gguf.cache import cached_gguf_folder
         return cached_gguf_folder(path)
     if not path.exists():
         from polyrunner.models.hub import is_hub_name, resolve_hub_model

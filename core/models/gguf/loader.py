@@ -20,30 +20,24 @@ loader only reads Hugging Face folders, so a GGUF is converted once into one:
 The folder plus the GGUF file equal what transformers gives for the same file
 (`from_pretrained(dir, gguf_file=...)`): the same dequantized values (through
 `gguf.quants.dequantize`), llama.cpp's rotary row permutation of q_proj/k_proj
-undone, and a tokenizer that encodes the same ids. `cached_gguf_folder` does
+undone, and a tokenizer that encodes the same ids. `cache.cached_gguf_folder` does
 the conversion once per file (metadata and tokenizer only: the folder holds a
 few MB) and afterwards only checks a path.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
 import os
 import re
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from polyrunner import envs
-from polyrunner.models.gguf import partial
 from polyrunner.models.gguf.errors import GGUFError, gguf_import_error
 from polyrunner.models.gguf.tensors import FLOAT_TYPES, TENSORS_FILE
 from polyrunner.models.gguf.vocab import build_tokenizer
@@ -52,9 +46,8 @@ __all__ = [
     "GGUFError",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_QUANT_TYPES",
-    "cached_gguf_folder",
     "convert_gguf",
-    "gguf_cache_root",
+    "write_json",
 ]
 
 
@@ -70,10 +63,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 logger = logging.getLogger(__name__)
 
-# Bump when the output of a conversion changes, so old cache entries are not reused
-# (4: no float32 model.safetensors; weights read from the GGUF file, `tensors.py`).
-CONVERSION_VERSION = 4
-MARKER_FILE = "polyrunner_gguf.json"
 QUANTIZED_FILE = "gguf_quantized.json"
 # Types whose matrices are not recorded in QUANTIZED_FILE (every other type's are: a backend
 # executes what it can of them).
@@ -121,106 +110,23 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     if tok is not None:
         backend, tok_config = tok
         backend.save(str(out / "tokenizer.json"))
-        _write_json(out / "tokenizer_config.json", tok_config)
+        write_json(out / "tokenizer_config.json", tok_config)
     else:  # no vocabulary in the file: leave no stale tokenizer from an earlier conversion
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (out / name).unlink(missing_ok=True)
     (out / "model.safetensors").unlink(missing_ok=True)   # an earlier version's float32 copy
-    _write_json(out / TENSORS_FILE, index)
+    write_json(out / TENSORS_FILE, index)
     quantized = {p.name: p.quantized for p in plan if p.quantized is not None}
     if quantized:
-        _write_json(out / QUANTIZED_FILE, {"source": str(path.resolve()), "tensors": quantized})
+        write_json(out / QUANTIZED_FILE, {"source": str(path.resolve()), "tensors": quantized})
         config["polyrunner_gguf"]["quantized_weights"] = QUANTIZED_FILE
     else:
         (out / QUANTIZED_FILE).unlink(missing_ok=True)
-    _write_json(out / "generation_config.json", gf.generation_config())
-    _write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", gf.generation_config())
+    write_json(out / "config.json", config)
     logger.info("read %s: %s, %d tensors (%d block-quantized matrices)", path.name, gf.file_type_name(),
                 len(plan), len(quantized))
     return out
-
-
-def gguf_cache_root() -> Path:
-    """`envs.cache_root()/gguf`: `$POLYRUNNER_CACHE/gguf`, else `$XDG_CACHE_HOME/polyrunner/gguf`,
-    else `~/.cache/polyrunner/gguf`."""
-    return envs.cache_root() / "gguf"
-
-
-def cached_gguf_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The converted folder for a GGUF file, converting it on first use.
-
-    The cache entry is keyed by the file's absolute path, size and mtime (and
-    the conversion version), so an edited or replaced file is converted again.
-    A conversion is written into a temporary folder, completed with a marker
-    file, then renamed into place: a half-written entry is never used; the
-    temporary folder of a killed conversion is deleted by the next conversion
-    once its owner process is gone (`partial.py`). A hit
-    costs a few `stat` calls and imports nothing.
-    """
-    src = Path(path).expanduser().resolve()
-    try:
-        st = src.stat()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"GGUF file not found: {src}") from None
-    root = Path(cache_dir).expanduser() if cache_dir is not None else gguf_cache_root()
-    key = hashlib.sha256(f"{CONVERSION_VERSION}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = root / f"{_safe_name(src.stem)}-{key}"
-    if (folder / MARKER_FILE).is_file():
-        return folder
-
-    root.mkdir(parents=True, exist_ok=True)
-    partial.reclaim_abandoned(root.glob(".*.partial"))  # left by killed conversions (see partial.py)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".partial", dir=root))
-    logger.info("converting %s (%.0f MB) -> %s (config and tokenizer; the weights stay in the file)",
-                src, st.st_size / 1e6, folder)
-    try:
-        partial.claim(tmp)
-        started = time.perf_counter()
-        convert_gguf(src, tmp)
-        marker = {
-            "source": str(src), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "conversion_version": CONVERSION_VERSION,
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-        _write_json(tmp / MARKER_FILE, marker)
-        partial.release(tmp)
-        if folder.exists() and not (folder / MARKER_FILE).is_file():
-            shutil.rmtree(folder, ignore_errors=True)  # leftover without a marker: never complete
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / MARKER_FILE).is_file():  # not a concurrent winner: a real failure
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first; use its entry
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("converted %s in %.1f s", src.name, marker["seconds"])
-    reclaimed = reclaim_older_versions(root, src)
-    if reclaimed:
-        logger.info("deleted %d cache entr%s of %s written by older polyrunner versions (%.0f MB)",
-                    len(reclaimed), "y" if len(reclaimed) == 1 else "ies", src.name,
-                    sum(size for _, size in reclaimed) / 1e6)
-    return folder
-
-
-def reclaim_older_versions(root: Path, src: Path) -> list[tuple[Path, int]]:
-    """Delete the cache entries of the GGUF file `src` that an older CONVERSION_VERSION
-    wrote (before version 4: a float32 copy of the weights, ~5x the file); returns
-    each deleted folder with the bytes it held. Entries of other files, and of newer
-    versions, are left alone."""
-    gone = []
-    for entry in root.glob(f"{_safe_name(src.stem)}-*"):
-        try:
-            marker = json.loads((entry / MARKER_FILE).read_text())
-        except (OSError, ValueError):
-            continue   # no marker: not a finished entry (or not ours); never delete it here
-        version = marker.get("conversion_version") if isinstance(marker, dict) else None
-        if marker.get("source") == str(src) and isinstance(version, int) and version < CONVERSION_VERSION:
-            size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
-            shutil.rmtree(entry, ignore_errors=True)
-            gone.append((entry, size))
-    return gone
 
 
 # -------------------------------------------------------------- the GGUF file
@@ -602,9 +508,5 @@ def _fast_reader(base: type) -> type:
     return Reader
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _safe_name(stem: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:80] or "model"

@@ -10,10 +10,10 @@
                       (the built-ins: polyrunner; a third-party plugin: its own package;
                       null when the module belongs to no installed distribution)
     device_libraries  [{"distribution", "version"}] the backend runs on (version null: not
-                      installed). The backend names them with the optional class attribute
-                      `device_libraries = ("torch_xla",)` (distribution names); without it,
-                      they are the plugin distribution's requirements for the extra named
-                      after the backend (`polyrunner[xla]` for "xla"); polyrunner and torch
+                      installed). The backend names them in `Backend.device_libraries`
+                      (distribution names); when empty, they are the plugin distribution's
+                      requirements for the extra named after the backend
+                      (`<distribution>[<backend name>]`); polyrunner and torch
                       are left out (they are in `versions`)
     device            `Availability.device` of the backend's probe ("" when unavailable)
     host              {"platform", "machine", "cpu_model", "cpu_flags"}: cpu_flags are the
@@ -140,7 +140,7 @@ def _requirement(spec: str, extra: str) -> str | None:
 
 def device_libraries(cls, backend: str, distribution: str | None) -> list[Library]:
     """The distributions the backend runs on, with their installed versions (see module doc)."""
-    declared = getattr(cls, "device_libraries", None)
+    declared = getattr(cls, "device_libraries", ())   # Backend declares it; tolerate any class
     if declared:
         names = [str(n) for n in declared]
     elif distribution:
