@@ -56,9 +56,10 @@ WORKLOADS = ["w1", "w2", "w3"]
 
 # ---- environments -----------------------------------------------------------------
 def ensure_venv(venv: Path, packages: list[str], what: str, niced: bool = False,
-                after: list[str] | None = None) -> Path:
+                after: list[str] | None = None, env: dict[str, str] | None = None) -> Path:
     """`venv`'s python, creating the venv with `packages` on first use (`after`: a
-    command its pip runs next, e.g. an uninstall); a marker file says it is ready."""
+    command its pip runs next, e.g. an uninstall; `env`: extra environment for the
+    install); a marker file says it is ready."""
     python = venv / "bin" / "python"
     marker = venv / ".polyrunner-ready"
     if marker.is_file():
@@ -68,10 +69,10 @@ def ensure_venv(venv: Path, packages: list[str], what: str, niced: bool = False,
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [*(["nice", "-n", "19"] if niced else []), str(python), "-m", "pip"]
     subprocess.run([*pip, "install", "-q", *packages], check=True,
-                   env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1"))
+                   env=dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1", **(env or {})))
     if after:
         subprocess.run([*pip, *after], check=False)
-    marker.write_text(" ".join(packages) + "\n")
+    marker.write_text(" ".join(packages) + "".join(f" {k}={v}" for k, v in (env or {}).items()) + "\n")
     return python
 
 
@@ -81,10 +82,26 @@ def ensure_vllm_venv() -> Path:
                        after=["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
 
 
+def llama_cpp_cmake_args() -> str:
+    """ggml's CPU options for this CPU with `GGML_NATIVE=OFF`: built with `-march=native` (GGML_NATIVE=ON)
+    llama-cpp-python 0.3.36 crashed at model load on an Intel AMX machine, so the x86 extensions are
+    switched on one by one from /proc/cpuinfo instead (AVX2/FMA/F16C, the AVX-512 set, AVX-VNNI; not AMX)."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        flags = set()
+    options = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+               "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
+               "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}"
+                                             for opt, flag in options.items()])
+
+
 def ensure_llama_cpp_venv() -> Path:
-    """The llama.cpp venv's python: llama-cpp-python built from source (g++, ~15 min, niced)."""
+    """The llama.cpp venv's python: llama-cpp-python built from source (g++, ~15 min, niced) with
+    `llama_cpp_cmake_args()` (native off, this CPU's AVX-512 options on)."""
     return ensure_venv(LLAMA_CPP_VENV, LLAMA_CPP_PACKAGES, "llama-cpp-python built from source, ~15 min",
-                       niced=True)
+                       niced=True, env={"CMAKE_ARGS": llama_cpp_cmake_args()})
 
 
 def cpu_flags() -> str:

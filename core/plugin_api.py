@@ -25,7 +25,7 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   static-shape op `static_shape_paged_attention` (its per-token block tables
   under `TOKEN_BLOCK_TABLES`);
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
-  `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `GraphBucketPolicy`,
+  `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `graph_token_sizes`, `GraphBucketPolicy`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
 - sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
   rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
@@ -63,6 +63,7 @@ from polyrunner.device.graphs import (
     TorchGraphAPI,
     async_to_host,
     graph_bucket_policy,
+    graph_token_sizes,
     pinned_upload,
     profiled_kv_budget,
     worst_case_profile,
@@ -104,6 +105,6 @@ __all__ = [
     # environment variables and the cache folder
     "declare", "cache_root",
     # stream graphs (CUDA-like device modules)
-    "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "profiled_kv_budget",
+    "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "graph_token_sizes", "profiled_kv_budget",
     "pinned_upload", "async_to_host", "worst_case_profile",
 ]

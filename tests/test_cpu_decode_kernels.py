@@ -57,7 +57,8 @@ def test_dpbf16_linear_strided_rows_and_declines(cpu_kernels):
 
 
 def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
-    """Without AMX a PackedLinear takes the AVX512_BF16 copy for small steps and oneDNN above."""
+    """Without AMX the measured plan has no AMX, and a PackedLinear running AVX512_BF16 for small
+    steps and oneDNN above computes both."""
     from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
     _dpbf16(cpu_kernels)
     if not packing_supported(torch.bfloat16):
@@ -67,8 +68,10 @@ def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(192, 128, generator=g) / 8).to(torch.bfloat16)
     with kernels.use_kernels("native"):
-        lin = PackedLinear(w, None, 64)
-        assert lin.small == "dpbf16"
+        from polyrunner.backends.cpu import kernel_table
+        assert kernel_table.available() == ["dpbf16", "onednn"]
+        lin = PackedLinear(w, None, 64, ("dpbf16",) * 65 + ("onednn",))
+        assert lin.pool_rows == 64
         x = torch.randn(80, 128, generator=g).to(torch.bfloat16)
         assert_linear_close(lin(x), x, w)            # oneDNN
         assert_linear_close(lin(x[:7]), x[:7], w)    # AVX512_BF16

@@ -125,7 +125,7 @@ def test_packed_linear_matches_linear(monkeypatch, bias):
     lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     with kernels.use_kernels("native"):
         packed = PackedLinear(lin.weight, lin.bias, 64)
-    assert packed.small is None
+    assert packed.plan == ("onednn",) and packed.pool_rows == 0
     g = torch.Generator().manual_seed(1)
     for shape in [(1, 96), (37, 96), (64, 96), (130, 96), (3, 5, 96)]:
         x = torch.randn(*shape, generator=g).to(torch.bfloat16)
@@ -243,7 +243,8 @@ def executor_config():
     """What `CPUExecutor` reads of an engine config (eager: these tests call `run` directly)."""
     from types import SimpleNamespace
     return SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8),
-                           runner=SimpleNamespace(enforce_eager=True), parallel=SimpleNamespace(tensor_parallel_size=1))
+                           runner=SimpleNamespace(enforce_eager=True, token_buckets=None),
+                           parallel=SimpleNamespace(tensor_parallel_size=1))
 
 
 def _tiny_model(folder, attn_op, dtype):
@@ -259,8 +260,9 @@ def _tiny_model(folder, attn_op, dtype):
 # every combination of paths the CPU backend takes on some CPU, forced where the hardware
 # allows: (kernel build or None for no library, environment)
 MODEL_PATHS = {
-    "amx": ("native", {}),                                  # AMX small-M linears (AMX CPUs)
-    "dpbf16": ("native", {"POLYRUNNER_CPU_AMX": "0"}),      # AVX512_BF16 small-M linears (no AMX)
+    "measured": ("native", {"POLYRUNNER_CPU_LINEAR": "auto"}),   # each linear's kernels as timed here
+    "amx": ("native", {"POLYRUNNER_CPU_LINEAR": "amx"}),         # AMX linears (AMX CPUs)
+    "dpbf16": ("native", {"POLYRUNNER_CPU_LINEAR": "dpbf16"}),   # AVX512_BF16 linears
     "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0", "POLYRUNNER_CPU_DPBF16": "0"}),  # oneDNN-packed linears
     "portable": ("portable", {}),                           # an AVX2-only CPU's C++ kernels
     "unpacked": ("native", {"POLYRUNNER_CPU_PACK": "0"}),   # plain F.linear (no oneDNN bf16 packing)
@@ -305,11 +307,11 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
         executor = CPUExecutor(fast, executor_config())
         linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
         assert all(isinstance(m, PackedLinear) for m in linears) == packed
-        smalls = {m.small for m in linears if isinstance(m, PackedLinear)}
+        chosen = {k for m in linears if isinstance(m, PackedLinear) for k in m.plan}
         if path in ("amx", "dpbf16"):
-            assert smalls == {path}
+            assert chosen == {path}
         elif path in ("onednn", "portable", "no_kernels") and packed:
-            assert smalls == {None}
+            assert chosen == {"onednn"}
         assert isinstance(fast.layers[0].mlp, FusedMLP) == (path not in ("unfused", "no_kernels"))
         rng = np.random.default_rng(0)
         shape = (2, 48, 16, arch.num_kv_heads, arch.head_dim)

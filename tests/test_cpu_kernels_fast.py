@@ -14,7 +14,7 @@ needs_amx = pytest.mark.skipif(not kernels.amx_available(), reason=f"no AMX line
 
 
 @needs_amx
-@pytest.mark.parametrize("M", [1, 2, 15, 16, 17, 31, 32, 33, 48, 64])
+@pytest.mark.parametrize("M", [1, 2, 15, 16, 17, 31, 32, 33, 48, 64, 65, 100, 257])
 @pytest.mark.parametrize("N,K", [(16, 32), (48, 64), (960, 576), (576, 1536), (80, 96)])
 def test_amx_linear_matches_matmul(M: int, N: int, K: int) -> None:
     g = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -34,19 +34,21 @@ def test_amx_linear_strided_rows_and_declines() -> None:
     assert_linear_close(y, x, w)
     assert kernels.amx_pack_bf16(torch.randn(24, 64, generator=g).to(torch.bfloat16)) is None  # N % 16
     assert kernels.amx_pack_bf16(torch.randn(32, 40, generator=g).to(torch.bfloat16)) is None  # K % 32
-    big = torch.randn(kernels.AMX_MAX_M + 1, 64, generator=g).to(torch.bfloat16)
-    assert kernels.amx_linear_bf16(big, kernels.amx_pack_bf16(w), 32) is None
+    big = torch.randn(77, 192, generator=g).to(torch.bfloat16)[:, 64:128]  # prefill-sized, strided, 13-row tail
+    assert_linear_close(kernels.amx_linear_bf16(big, kernels.amx_pack_bf16(w), 32), big, w)
+    assert kernels.amx_linear_bf16(x.float(), kernels.amx_pack_bf16(w), 32) is None   # not bfloat16
 
 
 @needs_amx
-def test_packed_linear_small_and_large_batches_agree() -> None:
-    from polyrunner.backends.cpu.executor import PackedLinear
+def test_packed_linear_runs_its_plan_per_row_count() -> None:
+    from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+    if not packing_supported(torch.bfloat16):
+        pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(192, 128, generator=g) / 8).to(torch.bfloat16)
-    lin = PackedLinear(w, None, 64)
-    assert lin.small == "amx"
+    lin = PackedLinear(w, None, 64, ("amx",) * 33 + ("onednn",))   # AMX up to 32 rows, oneDNN above
+    assert lin.pool_rows == 32
     x = torch.randn(80, 128, generator=g).to(torch.bfloat16)
-    assert x.shape[0] > kernels.AMX_MAX_M
     assert_linear_close(lin(x), x, w)          # oneDNN
     assert_linear_close(lin(x[:7]), x[:7], w)  # AMX
 

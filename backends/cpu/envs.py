@@ -22,12 +22,13 @@ SIMD = declare("POLYRUNNER_CPU_SIMD", bool, True,
 PREFILL_KERNEL = declare("POLYRUNNER_CPU_PREFILL_KERNEL", bool, True,
                          "0: bfloat16 prefill attention by SDPA instead of the AVX512_BF16 kernel", section=_S)
 AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
-              "0: no AMX small-M linear (decode steps' linears on oneDNN or AVX512_BF16)", section=_S)
+              "0: no AMX linear kernel (a stand-in for CPUs without AMX)", section=_S)
 DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,
-                 "0: no AVX512_BF16 small-M linear on CPUs without AMX (oneDNN instead)", section=_S)
-DPBF16_MAX_M = declare("POLYRUNNER_CPU_DPBF16_MAX_M", int, 64,
-                       "most rows a step gives the AVX512_BF16 linear; oneDNN above (read at import)",
-                       ge=0, section=_S)
+                 "0: no AVX512_BF16 linear kernel (a stand-in for CPUs without it)", section=_S)
+LINEAR = declare("POLYRUNNER_CPU_LINEAR", str, "auto",
+                 "bfloat16 linear kernel for every step; auto: the fastest per weight shape and row count, "
+                 "timed at the first start on this machine and cached", choices=("auto", "amx", "dpbf16", "onednn"),
+                 section=_S)
 PACK = declare("POLYRUNNER_CPU_PACK", bool, True,
                "0: keep bfloat16 linears unpacked (no oneDNN weight packing)", section=_S)
 FUSE = declare("POLYRUNNER_CPU_FUSE", bool, True,

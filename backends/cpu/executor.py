@@ -3,15 +3,13 @@
 - Which modules are swapped: the model names them, by role, through its
   `replaceable_modules()` hook (the model protocol in `polyrunner_models`):
   "linear", "rms_norm", "gated_mlp", "rotary". A model without it runs as is.
-- Weights: every bfloat16 "linear" is replaced by a oneDNN-packed one
-  (`torch.ops.mkldnn._linear_pointwise`), and the LM head gets a packed copy
-  for the logits: the same math, ~20% faster matmuls than the
-  plain `F.linear` path (what inductor's freezing pass does, done eagerly).
-  Steps of at most `kernels.AMX_MAX_M` rows (decodes) use an AMX tile-packed
-  copy instead (`linear_amx.cpp`, weights streamed once; measured ~15% faster than
-  oneDNN at 1-32 rows, ~10% at 64; `POLYRUNNER_CPU_AMX=0` turns it off), or on a
-  CPU with AVX512_BF16 but no AMX a VNNI-pair copy for `vdpbf16ps` (`linear_bf16.cpp`;
-  `POLYRUNNER_CPU_DPBF16=0` turns it off). AVX2-only CPUs keep oneDNN.
+- Weights: every bfloat16 "linear" (and the LM head, for the logits) is packed for
+  the kernels measured fastest on this machine at its shape, per row count
+  (`kernel_table.py`: AMX tiles `linear_amx.cpp`, AVX512_BF16 dot products
+  `linear_bf16.cpp`, oneDNN's packed matmul; timed at the first start, then cached).
+  Steps of at most `POOL_STEP_ROWS` rows choose among the pool's kernels (AMX,
+  AVX512_BF16) where the CPU has one, so they stay graph-replayable; CPUs with
+  neither keep oneDNN. `POLYRUNNER_CPU_LINEAR` forces one kernel.
 - bfloat16 RMSNorm (also fused with the residual add before it), rotary
   embedding (in place) and `silu(gate) * up` run as single C++ passes
   (`paged_attention.cpp`) with Hugging Face's exact roundings.
@@ -43,21 +41,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from polyrunner.backends.cpu import envs, kernels, threads
+from polyrunner.backends.cpu import envs, kernel_table, kernels, threads
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
 from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.plugin_api import (BucketPolicy, GraphAPI, GraphBucketPolicy, ModelInputs, Sampler, SamplerOutput,
-                                   SamplingMetadata, StaticGraphExecutor)
+                                   SamplingMetadata, StaticGraphExecutor, graph_token_sizes)
 
 logger = logging.getLogger(__name__)
 
 SMALL_STEP_TOKENS = 16
+# Steps of at most this many tokens may run whole on the pool's kernels (torch then gets one thread)
+# and be captured as CPU graphs; larger ones keep OpenMP's team for the fused ops and attention.
+POOL_STEP_ROWS = kernel_table.POOL_STEP_ROWS
 
 
 def available_cpus() -> int:
@@ -124,37 +125,29 @@ class ThreadGovernor:
 
 # ---- packed weights -------------------------------------------------------------
 class PackedLinear(nn.Module):
-    """A bfloat16 linear layer with its weight pre-packed for oneDNN, and for steps
-    of at most `kernels.AMX_MAX_M` rows a second copy for the small-M kernel this
-    CPU has: AMX tiles (`linear_amx.cpp`), else AVX512_BF16 dot products
-    (`linear_bf16.cpp`); `small` names it (None: oneDNN only)."""
+    """A bfloat16 linear layer packed for the kernels `plan` names, one per row count (chosen by
+    measurement, `kernel_table.py`): a step of M rows runs `plan[min(M, len(plan) - 1)]`, and only
+    the kernels the plan names keep a packed copy. With a bias: oneDNN only."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int,
+                 plan: tuple[str, ...] = ("onednn",)) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
-                             persistent=False)
+        self.plan = plan if bias is None else ("onednn",)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
-        # decode-sized steps stream the weight once from a copy packed for the small-M kernel
-        small = None
-        if bias is None and kernels.amx_available():
-            small = "amx", kernels.amx_pack_bf16(weight)
-        elif bias is None and kernels.dpbf16_available():
-            small = "dpbf16", kernels.dpbf16_pack_bf16(weight)
-        self.small = small[0] if small is not None and small[1] is not None else None
-        self.register_buffer("small_packed", small[1] if self.small else None, persistent=False)
+        for kernel in dict.fromkeys(self.plan):
+            self.register_buffer(f"packed_{kernel}", kernel_table.pack(kernel, weight, batch_hint), persistent=False)
+        self._by_rows = [(kernel_table.runner(k), getattr(self, f"packed_{k}")) for k in self.plan]
+        self.pool_rows = kernel_table.pool_prefix(self.plan)   # steps up to this many rows run on the pool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             shape = x.shape
             return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        limit = kernels.AMX_MAX_M if self.small == "amx" else kernels.DPBF16_MAX_M
-        if self.small is not None and x.shape[0] <= limit and x.dtype == torch.bfloat16:
-            small = kernels.amx_linear_bf16 if self.small == "amx" else kernels.dpbf16_linear_bf16
-            y = small(x, self.small_packed, self.out_features)
-            if y is not None:
-                return y
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        fn, packed = self._by_rows[min(x.shape[0], len(self._by_rows) - 1)]
+        return fn(x, packed, self.out_features, self.bias)
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -177,8 +170,8 @@ def replaceable(model: nn.Module, role: str) -> list[tuple[nn.Module, str, nn.Mo
 
 def pool_rows(module: nn.Module) -> int:
     """The most rows `module` (a linear) runs on the pool's kernels; 0 for one that never does."""
-    if isinstance(module, PackedLinear) and module.small is not None:
-        return kernels.AMX_MAX_M if module.small == "amx" else kernels.DPBF16_MAX_M
+    if isinstance(module, PackedLinear):
+        return module.pool_rows
     if isinstance(module, QuantLinear):
         return module.dense_above
     return 0
@@ -192,14 +185,28 @@ def pool_step_rows(model: nn.Module) -> int:
     return min(pool_rows(m) for m in linears) if linears else 0
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> int:
-    """Replace every bfloat16 "linear" the model declares (an `nn.Linear`) by a
-    PackedLinear; returns how many."""
+def pack_linears(model: nn.Module, batch_hint: int, threads: int = 1, align: Sequence[int] = ()) -> int:
+    """Replace every bfloat16 "linear" the model declares (an `nn.Linear`) by a PackedLinear running
+    the kernels measured fastest here per row count (`kernel_table.py`, timed on `threads`
+    threads; `align`: the graphs' batch sizes, see `kernel_table.plan`); returns how many."""
     targets = [(parent, name, child) for parent, name, child in replaceable(model, "linear")
                if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
+    by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for _, _, child in targets:
+        if child.bias is None:
+            by_shape.setdefault(tuple(child.weight.shape), []).append(child.weight.detach())
+    plans = kernel_table.plans(by_shape, batch_hint, threads, kernel_table.ROWS[-1], align)
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint))
+        plan = plans.get(tuple(child.weight.shape), ("onednn",))
+        setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint, plan))
     return len(targets)
+
+
+def pack_lm_head(weight: torch.Tensor, max_rows: int, threads: int = 1) -> PackedLinear:
+    """The LM head's packed copy for the logits (steps of at most `max_rows` requests)."""
+    shape = tuple(weight.shape)
+    plan = kernel_table.plans({shape: [weight.detach()]}, max_rows, threads, max_rows)[shape]
+    return PackedLinear(weight, None, max_rows, plan)
 
 
 # ---- fused elementwise modules ---------------------------------------------------
@@ -313,19 +320,22 @@ class CPUExecutor(StaticGraphExecutor):
         self.small_threads = max(1, min(self.threads, small)) if small is not None else None
         self._current_threads = None
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        reports = len(kernel_table.reports)
         self.packed_logits: nn.Module | None = quantized_lm_head(model)  # GGUF blocks, when quantized
         if packing_supported(dtype):
             hint = max(64, min(config.scheduler.max_num_batched_tokens, 2048))
             lm_head_weight = getattr(model, "lm_head_weight", None)   # optional model hook
             weight = None if lm_head_weight is None else lm_head_weight()
             if weight is not None and weight.dtype == torch.bfloat16 and self.packed_logits is None:
-                self.packed_logits = PackedLinear(weight, None, config.scheduler.max_num_seqs)
-            n = pack_linears(model, hint)
-            logger.debug("packed %d linear layers for oneDNN", n)
+                self.packed_logits = pack_lm_head(weight, config.scheduler.max_num_seqs, self.threads)
+            n = pack_linears(model, hint, self.threads, graph_token_sizes(config))
+            logger.debug("packed %d linear layers", n)
+        self.kernel_tables = kernel_table.reports[reports:]   # what packing measured or read for this model
         fused = 0
         if dtype == torch.bfloat16 and envs.FUSE.get():
             fused = fuse_elementwise(model)
         forward_rows = pool_step_rows(model)
+        forward_rows = min(forward_rows, POOL_STEP_ROWS)
         self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
         # graphs need every op of a decode step in a C++ kernel: fused bfloat16 modules, pool linears,
         # no all-reduce between them (tensor parallelism)
@@ -341,6 +351,10 @@ class CPUExecutor(StaticGraphExecutor):
         if sizes:
             super().prepare(run_dummy, GraphBucketPolicy(sizes, sizes))
 
+    def kernel_report(self) -> str | None:
+        """The bfloat16 linears' kernel per weight shape and row count, with the times behind it."""
+        return "\n".join(self.kernel_tables) or None
+
     # ---- threads ---------------------------------------------------------------
     def _set_threads(self, num_tokens: int) -> None:
         if num_tokens <= SMALL_STEP_TOKENS and self.small_threads is not None:
@@ -355,7 +369,7 @@ class CPUExecutor(StaticGraphExecutor):
             self._current_threads = n, pool_step
         # helpers spin between the small calls of decode-sized steps; in larger steps
         # oneDNN's OpenMP team needs every core, and a spinning helper would hold one
-        spin = num_tokens <= kernels.DPBF16_MAX_M
+        spin = num_tokens <= POOL_STEP_ROWS
         if spin != self._spinning:
             kernels.set_pool_spin(self.spin_us if spin else 0)
             self._spinning = spin

@@ -1,5 +1,6 @@
 """Build and load the CPU kernels: paged attention and fused elementwise ops
-(`paged_attention.cpp`), the AMX small-M linear (`linear_amx.cpp`).
+(`paged_attention.cpp`), the AMX and AVX512_BF16 linears (`linear_amx.cpp`, `linear_bf16.cpp`;
+which one a step runs is measured, `kernel_table.py`).
 
 The kernels are plain C++ compiled into one library once per (sources, flags, compiler, CPU) into
 `~/.cache/polyrunner/cpu_kernels/` (`POLYRUNNER_CACHE`) and called through ctypes with raw pointers.
@@ -318,16 +319,12 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, D)
 
 
-AMX_MAX_M = 64  # rows `amx_linear_bf16` takes; PackedLinear uses oneDNN above (compute-bound prefill)
-# rows PackedLinear gives the AVX512_BF16 kernel; oneDNN above (measured on 2 Zen 4 cores, every SmolLM2
-# linear: 0.87-0.94x oneDNN's time at 8-96 rows, with torch on one thread meanwhile -- see executor.py)
-DPBF16_MAX_M = envs.DPBF16_MAX_M.get()
 _amx: bool | None = None
 _dpbf16: bool | None = None
 
 
 def amx_available() -> bool:
-    """Whether the AMX small-M linear can run here (kernel built with AMX, tiles granted)."""
+    """Whether the AMX linear can run here (kernel built with AMX, tiles granted)."""
     global _amx
     if _amx is None:
         _amx = amx_unavailable_reason() is None
@@ -364,10 +361,10 @@ def amx_pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def amx_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor | None:
-    """x[M, K] @ W^T for M <= AMX_MAX_M, W packed by `amx_pack_bf16` (x: bfloat16,
-    unit stride on K); None when the kernel declines."""
+    """x[M, K] @ W^T, W packed by `amx_pack_bf16` (x: bfloat16, unit stride on K);
+    None when the kernel declines."""
     M, K = x.shape
-    if M > AMX_MAX_M or x.stride(1) != 1:
+    if x.stride(1) != 1 or x.dtype != torch.bfloat16:
         return None
     y = torch.empty((M, N), dtype=torch.bfloat16)
     if call(_lib.pr_amx_linear_bf16, x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
@@ -415,7 +412,7 @@ def set_pool_spin(spin_us: int) -> None:
 
 
 def dpbf16_available() -> bool:
-    """Whether the AVX512_BF16 small-M linear can run here."""
+    """Whether the AVX512_BF16 linear can run here."""
     global _dpbf16
     if _dpbf16 is None:
         _dpbf16 = dpbf16_unavailable_reason() is None

@@ -1,17 +1,25 @@
-// Small-M bfloat16 linear on AMX tiles: y[M, N] = x[M, K] @ w[N, K]^T, M <= 64.
+// Bfloat16 linear on AMX tiles: y[M, N] = x[M, K] @ w[N, K]^T, any M.
 //
-// Decode steps multiply a few rows by every weight of the model, so they are
-// bound by reading the weights: this kernel streams each weight exactly once,
-// pre-packed at load time into AMX B tiles (VNNI pairs, 1 KiB each, contiguous
-// per 16 output features), and keeps the whole x (padded to 16-row tiles) next
-// to the core. Output features are split over the OpenMP threads.
+// Weights are packed once at load time into AMX B tiles (VNNI pairs, 1 KiB
+// each, contiguous per 16 output features). A task is 32 output features (two
+// B tiles wide) over every row: for each panel of 32 rows it runs the whole K
+// with 2 x 2 tiles of sums, so the task's weight tiles are read from memory once
+// (decode: one panel) and from cache by the later panels (prefill). A tiles are
+// loaded straight from x with its row stride; only a last block of fewer than 16
+// rows is copied into a zero-padded buffer. Tasks are shared out in chunks
+// through `thread_pool.cpp` (a thread descheduled on a shared host delays only
+// the chunk it holds), each chunk configuring the tiles on its own thread.
 //
 // Packed layout: wp[N / 16][K / 32][16][32]: tile (nb, kb) row r holds, for
 // columns c = 0..15, the pair w[nb*16 + c][kb*32 + 2r], w[nb*16 + c][kb*32 + 2r + 1].
 // fp32 accumulation; one rounding to bfloat16 (nearest even) at the end.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "thread_pool.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__) \
     && !defined(PR_PORTABLE)
@@ -47,130 +55,130 @@ void pr_amx_pack_bf16(const uint16_t* w, uint16_t* wp, int64_t N, int64_t K) {
             t[r * 32 + 2 * c + p] = w[(nb * 16 + c) * K + kb * 32 + 2 * r + p];
     }
 }
+}  // extern "C"
 
 #ifdef PR_AMX
 namespace {
-// The 16 x 16 floats of tile c (output rows m0.., features n0..) -> bfloat16 y, rows < M only.
-inline void store_bf16(const float (*c)[16], int64_t m0, int64_t M, uint16_t* y, int64_t y_ts, int64_t n0) {
+struct Call {
+  const uint16_t* x;
+  int64_t x_ts;           // x's row stride (elements)
+  const uint16_t* tail;   // rows [full, M) of x padded with zeros to 16 rows, row stride K
+  int64_t full;           // rows in whole 16-row blocks
+  const uint16_t* wp;
+  uint16_t* y;
+  int64_t y_ts, M, nnb, nkb, per_chunk;
+};
+
+// The A tile source for rows m0..m0+15: x itself, or the padded tail.
+inline const uint16_t* rows_at(const Call& c, int64_t m0, int64_t& stride_bytes) {
+  if (m0 < c.full) {
+    stride_bytes = c.x_ts * 2;
+    return c.x + m0 * c.x_ts;
+  }
+  stride_bytes = c.nkb * 64;
+  return c.tail;
+}
+
+// The 16 x 16 floats of a C tile (rows m0.., features n0..) -> bfloat16 y, rows < M only.
+inline void store_bf16(const float (*t)[16], int64_t m0, int64_t M, uint16_t* y, int64_t y_ts, int64_t n0) {
   for (int64_t i = 0; i < 16 && m0 + i < M; ++i)  // round to nearest even, NaN kept
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + i) * y_ts + n0),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[i])));
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(t[i])));
+}
+
+void configure_tiles() {
+  alignas(64) uint8_t cfg[64] = {0};
+  cfg[0] = 1;  // palette 1: every tile 16 rows x 64 bytes
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;
+    cfg[48 + t] = 16;
+  }
+  _tile_loadconfig(cfg);
+}
+
+// Tasks [chunk * per_chunk, ...): task t = feature blocks 2t, 2t + 1 (the second absent at an odd end).
+void run_chunk(void* ctx, int64_t chunk, int) {
+  const Call& c = *static_cast<const Call*>(ctx);
+  const int64_t ntasks = (c.nnb + 1) / 2, t1 = std::min(ntasks, (chunk + 1) * c.per_chunk);
+  const int64_t tile_bytes = c.nkb * 1024;  // one feature block's weights
+  configure_tiles();
+  alignas(64) float acc[4][16][16];
+  for (int64_t t = chunk * c.per_chunk; t < t1; ++t) {
+    const int64_t nb = 2 * t;
+    const bool two_n = nb + 1 < c.nnb;
+    const uint16_t* w0 = c.wp + nb * c.nkb * 512;
+    const uint16_t* w1 = two_n ? w0 + c.nkb * 512 : w0;
+    const char* next = reinterpret_cast<const char*>(w0 + 2 * c.nkb * 512);  // the next task's weights
+    const bool prefetch = nb + 2 < c.nnb;
+    for (int64_t m0 = 0; m0 < c.M; m0 += 32) {
+      const bool two_m = m0 + 16 < c.M;
+      int64_t sa0, sa1 = 0;
+      const uint16_t* a0 = rows_at(c, m0, sa0);
+      const uint16_t* a1 = two_m ? rows_at(c, m0 + 16, sa1) : a0;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < c.nkb; ++kb) {
+        if (m0 == 0 && prefetch)  // while streaming this task's weights, fetch the next's (to L2)
+          for (int64_t l = 0; l < 2048 && kb * 2048 + l < 2 * tile_bytes; l += 64)
+            _mm_prefetch(next + kb * 2048 + l, _MM_HINT_T1);
+        _tile_loadd(6, w0 + kb * 512, 64);
+        _tile_loadd(4, a0 + kb * 32, sa0);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, w1 + kb * 512, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a1 + kb * 32, sa1);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, acc[0], 64);
+      store_bf16(acc[0], m0, c.M, c.y, c.y_ts, 16 * nb);
+      if (two_n) {
+        _tile_stored(1, acc[1], 64);
+        store_bf16(acc[1], m0, c.M, c.y, c.y_ts, 16 * nb + 16);
+      }
+      if (two_m) {
+        _tile_stored(2, acc[2], 64);
+        store_bf16(acc[2], m0 + 16, c.M, c.y, c.y_ts, 16 * nb);
+        if (two_n) {
+          _tile_stored(3, acc[3], 64);
+          store_bf16(acc[3], m0 + 16, c.M, c.y, c.y_ts, 16 * nb + 16);
+        }
+      }
+    }
+  }
+  _tile_release();
 }
 }  // namespace
 #endif
 
-// y[m, n] (row stride y_ts) for m < M <= 64; x rows of K with stride x_ts. Returns 0 on success.
+extern "C" {
+// y[m, n] (row stride y_ts) for m < M; x rows of K with stride x_ts (unit stride on K); wp packed
+// by pr_amx_pack_bf16. Returns 0 on success, 1 when not compiled in or the shapes are unsupported.
 int pr_amx_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, uint16_t* y, int64_t y_ts,
                        int64_t M, int64_t N, int64_t K) {
 #ifdef PR_AMX
-  if (M < 1 || M > 64 || N % 16 || K % 32) return 1;
-  const int64_t mb = (M + 15) / 16, nkb = K / 32, nnb = N / 16;
-  // x padded to Mp = mb * 16 rows (zeros) and blocked [K / 32][Mp][32]: every A tile
-  // (16 rows x 32 values) is 1 KiB of contiguous memory
-  const int64_t Mp = mb * 16;
-  uint16_t* xp = static_cast<uint16_t*>(aligned_alloc(64, size_t(Mp * K * 2)));
-  if (xp == nullptr) return 3;
-  for (int64_t kb = 0; kb < nkb; ++kb)
-    for (int64_t m = 0; m < Mp; ++m) {
-      uint16_t* dst = xp + (kb * Mp + m) * 32;
-      if (m < M) std::memcpy(dst, x + m * x_ts + kb * 32, 64);
-      else std::memset(dst, 0, 64);
-    }
-#pragma omp parallel if (N * K >= 65536)
-  {
-    alignas(64) uint8_t cfg[64] = {0};
-    cfg[0] = 1;  // palette 1: every tile 16 rows x 64 bytes
-    for (int t = 0; t < 8; ++t) {
-      cfg[16 + 2 * t] = 64;
-      cfg[48 + t] = 16;
-    }
-    _tile_loadconfig(cfg);
-    alignas(64) float c[4][16][16];
-    if (mb >= 2 && nnb % 2 == 0) {
-      // 2 x 2 register blocking: 32 features x 32 rows per pass, each weight tile
-      // read from memory once (the second row pass finds it in cache)
-#pragma omp for schedule(static)
-      for (int64_t np = 0; np < nnb / 2; ++np) {
-        const uint16_t* w0 = wp + 2 * np * nkb * 512;
-        const uint16_t* w1 = w0 + nkb * 512;
-        for (int64_t m0 = 0; m0 < mb * 16; m0 += 32) {
-          const bool two = m0 + 16 < mb * 16;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t kb = 0; kb < nkb; ++kb) {
-            if (m0 == 0 && np + 2 < nnb / 2) {
-              const char* nx = reinterpret_cast<const char*>(w0 + (4 * nkb + 2 * kb) * 512);
-              for (int l = 0; l < 2048; l += 64) _mm_prefetch(nx + l, _MM_HINT_T1);
-            }
-            _tile_loadd(6, w0 + kb * 512, 64);
-            _tile_loadd(7, w1 + kb * 512, 64);
-            const uint16_t* xa = xp + (kb * Mp + m0) * 32;
-            _tile_loadd(4, xa, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, xa + 16 * 32, 64);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          _tile_stored(0, c[0], 64);
-          _tile_stored(1, c[1], 64);
-          store_bf16(c[0], m0, M, y, y_ts, 32 * np);
-          store_bf16(c[1], m0, M, y, y_ts, 32 * np + 16);
-          if (two) {
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            store_bf16(c[2], m0 + 16, M, y, y_ts, 32 * np);
-            store_bf16(c[3], m0 + 16, M, y, y_ts, 32 * np + 16);
-          }
-        }
-      }
-    } else {
-  #pragma omp for schedule(static)
-      for (int64_t nb = 0; nb < nnb; ++nb) {
-        const uint16_t* wt = wp + nb * nkb * 512;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < nkb; ++kb) {
-          if (nb + 2 < nnb) {  // prefetch (to L2) the tile two feature blocks ahead
-            const char* nx = reinterpret_cast<const char*>(wt + (2 * nkb + kb) * 512);
-            for (int l = 0; l < 1024; l += 64) _mm_prefetch(nx + l, _MM_HINT_T1);
-          }
-          _tile_loadd(4, wt + kb * 512, 64);
-          const uint16_t* xa = xp + kb * Mp * 32;
-          _tile_loadd(5, xa, 64);
-          _tile_dpbf16ps(0, 5, 4);
-          if (mb > 1) {
-            _tile_loadd(6, xa + 16 * 32, 64);
-            _tile_dpbf16ps(1, 6, 4);
-          }
-          if (mb > 2) {
-            _tile_loadd(7, xa + 32 * 32, 64);
-            _tile_dpbf16ps(2, 7, 4);
-          }
-          if (mb > 3) {
-            _tile_loadd(5, xa + 48 * 32, 64);
-            _tile_dpbf16ps(3, 5, 4);
-          }
-        }
-        _tile_stored(0, c[0], 64);
-        if (mb > 1) _tile_stored(1, c[1], 64);
-        if (mb > 2) _tile_stored(2, c[2], 64);
-        if (mb > 3) _tile_stored(3, c[3], 64);
-        for (int64_t b = 0; b < mb; ++b) store_bf16(c[b], 16 * b, M, y, y_ts, 16 * nb);
-      }
-    }
-    _tile_release();
+  if (M < 1 || N % 16 || K % 32) return 1;
+  const int64_t full = M / 16 * 16;
+  thread_local std::vector<uint16_t> tail;  // the caller's padded last rows (reused: no allocation per call)
+  if (full < M) {
+    tail.assign(size_t(16 * K), 0);
+    for (int64_t m = full; m < M; ++m) std::memcpy(tail.data() + (m - full) * K, x + m * x_ts, size_t(K) * 2);
   }
-  free(xp);
+  Call c{x, x_ts, tail.data(), full, wp, y, y_ts, M, N / 16, K / 32, 0};
+  const int64_t ntasks = (c.nnb + 1) / 2;
+  const int64_t threads = N * K >= 65536 ? pr::pool_helpers() + 1 : 1;
+  c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (4 * threads)) : ntasks;
+  pr::parallel_for(threads > 1 ? (ntasks + c.per_chunk - 1) / c.per_chunk : 1, run_chunk, &c);
   return 0;
 #else
+  (void)x, (void)x_ts, (void)wp, (void)y, (void)y_ts, (void)M, (void)N, (void)K;
   return 1;
 #endif
 }
-}
+}  // extern "C"

@@ -22,25 +22,28 @@ cache hit (its few remaining rows) can then flip a near-tied greedy token
 chat-sized prompts and their cache hits take the same path; llama.cpp quantizes
 activations at every batch size instead, at 2-3x the prefill cost here.
 
-Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): the best the
-kernel library has (the portable build, `POLYRUNNER_CPU_SIMD=0`, stops at
-avx2); `POLYRUNNER_CPU_QUANT_ISA=<name>` forces one (an error if not built).
+Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): each weight shape takes the
+fastest the kernel library has, timed once per machine at decode row counts (`measured_isa`; the
+portable build, `POLYRUNNER_CPU_SIMD=0`, stops at avx2); `POLYRUNNER_CPU_QUANT_ISA=<name>` forces
+one (an error if not built).
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from polyrunner.backends.cpu import envs, kernels
+from polyrunner.backends.cpu import envs, kernel_table, kernels
 from polyrunner.backends.cpu.kernel_calls import call
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+MEASURE_ROWS = (1, 16)  # decode row counts the instruction-set paths are timed at (`measured_isa`)
 PREFILL_ROWS = 64  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
 # the LM head (Q8_0, GGUF layout; rows = requests, not prompt): measured on 2 Zen 4 cores, 49152 x 576,
 # torch on one thread meanwhile: 4.7 vs 7.4 ms dense at 16 rows, 7.9 vs 8.4 at 32, 16.1 vs 10.1 at 64
@@ -98,6 +101,36 @@ def default_isa(lib: ctypes.CDLL | None = None) -> str:
         return forced
     best = library(lib).pr_quant_best_isa()
     return next(name for name, i in ISAS.items() if i == best)
+
+
+def measured_isa(qtype: str, blocks: torch.Tensor, shape: tuple[int, int], r8: bool,
+                 lib: ctypes.CDLL | None = None) -> str:
+    """The fastest compiled path for `blocks` (`r8`: in the r8 layout) at decode row counts
+    (`MEASURE_ROWS`, summed), timed once per machine (the linear kernels' table, `kernel_table.cached`,
+    one thread: it runs before the engine starts its pool); the only one when there is one."""
+    lib = library(lib)
+    isas = [i for i in ISAS if isa_unavailable_reason(i, lib) is None and i != "scalar"]   # scalar: the fallback
+    if len(isas) <= 1:
+        return isas[0] if isas else default_isa(lib)
+
+    def measure() -> kernel_table.Times:
+        xs = {M: torch.randn(M, shape[1], generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+              for M in MEASURE_ROWS}
+        best = {i: {M: float("inf") for M in MEASURE_ROWS} for i in isas}
+        calls = max(1, min(8, (4 << 20) // max(1, blocks.numel())))   # ~4 MiB of weights per timing
+        for rep in range(kernel_table.REPEATS + 1):   # the paths take turns; the first pass warms
+            for M, x in xs.items():
+                for isa in isas:
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        quant_matmul(qtype, blocks, shape[1], x, None, isa, lib, r8)
+                    if rep:
+                        best[isa][M] = min(best[isa][M], (time.perf_counter() - start) / calls * 1e6)
+        return best
+
+    times = kernel_table.cached(f"quant {qtype} {shape[0]}x{shape[1]}{' r8' if r8 else ''}", measure, threads=1)
+    return min(isas, key=lambda i: sum(t if t is not None else float("inf") for t in times.get(i, {}).values())
+               if times.get(i) else float("inf"))
 
 
 def _check(rc: int, what: str) -> None:
@@ -170,10 +203,11 @@ class QuantLinear(nn.Module):
         self.qtype, self.out_features, self.in_features = qtype, shape[0], shape[1]
         self.out_dtype = out_dtype
         self.lib = library(lib)
-        self.isa = default_isa(self.lib)
-        self.r8 = r8_supported(qtype, shape, self.isa, self.lib)
+        best = default_isa(self.lib)
+        self.r8 = r8_supported(qtype, shape, best, self.lib)
         if self.r8:
             blocks = repack8(qtype, blocks, self.in_features, self.lib)
+        self.isa = best if envs.QUANT_ISA.get() else measured_isa(qtype, blocks, shape, self.r8, self.lib)
         self.register_buffer("blocks", blocks, persistent=False)
         # the decode call, bound once (a step makes ~4 per layer: keep the Python path short)
         self._call = (self.lib.pr_quant_linear8 if self.r8 else self.lib.pr_quant_linear,

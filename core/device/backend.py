@@ -137,6 +137,11 @@ class GraphExecutor:
         far; None when the backend does not count (`Capabilities.counts_graphs`)."""
         return None
 
+    def kernel_report(self) -> str | None:
+        """OPTIONAL; read by `polyrunner bench --workload kernels`. A table of the kernels this
+        executor chose for the model (and what it measured to choose them); None when it chose none."""
+        return None
+
     @staticmethod
     def logit_rows(hidden: torch.Tensor, inputs: ModelInputs, R: int) -> torch.Tensor:
         """The hidden rows of the first R requests' last tokens (`inputs.logits_indices[:R]`);

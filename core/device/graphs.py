@@ -68,16 +68,22 @@ def _up(buckets: list[int], n: int) -> int:
     return buckets[i] if i < len(buckets) else n
 
 
+def graph_token_sizes(config) -> list[int]:
+    """The token counts decode graphs are captured for under `config` (`runner.token_buckets`, else
+    vLLM's decode capture sizes), whether or not enforce_eager turns graphs off."""
+    sched = config.scheduler
+    sizes = decode_capture_sizes(
+        cudagraph_capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE),
+        sched.max_num_seqs)
+    return sorted(set(config.runner.token_buckets or sizes))
+
+
 def graph_bucket_policy(config, max_size: int | None = None) -> BucketPolicy:
     """Decode capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager.
     `max_size`: the largest batch the backend's graphs can take (larger ones run unpadded)."""
     if config.runner.enforce_eager:
         return BucketPolicy()
-    sched = config.scheduler
-    sizes = decode_capture_sizes(
-        cudagraph_capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE),
-        sched.max_num_seqs)
-    tokens = sorted(t for t in set(config.runner.token_buckets or sizes) if max_size is None or t <= max_size)
+    tokens = [t for t in graph_token_sizes(config) if max_size is None or t <= max_size]
     if not tokens:
         return BucketPolicy()
     reqs = sorted(set(config.runner.request_buckets or tokens))

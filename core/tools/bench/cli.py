@@ -1,6 +1,6 @@
 """`polyrunner bench`: the performance workloads on the CPU backend.
 
-    polyrunner bench --workload w1|w2|w3|coldstart|overhead|roofline|all [--repeats 3] [--json FILE]
+    polyrunner bench --workload w1|w2|w3|coldstart|overhead|roofline|kernels|all [--repeats 3] [--json FILE]
 
 w1-w3 run SmolLM2-135M-Instruct (the embedded default) in dtype "auto" (bfloat16
 on a CPU with AVX512_BF16 or AMX, else float32), greedy,
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-WORKLOAD_CHOICES = ["w1", "w2", "w3", "coldstart", "overhead", "roofline", "all"]
+WORKLOAD_CHOICES = ["w1", "w2", "w3", "coldstart", "overhead", "roofline", "kernels", "all"]
 
 
 # the engine options a benchmark may change (the others are fixed so runs compare; see run.ENGINE_OPTIONS)
@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--workload", nargs="+", default=["all"], choices=WORKLOAD_CHOICES,
                    help="workloads to run (w1-w3: generation; coldstart: time to the first token of a new "
-                        "process; overhead: host time per step; roofline: matmul rate; all: every one)")
+                        "process; overhead: host time per step; roofline: matmul rate; kernels: the kernel "
+                        "the backend chose per weight shape and row count, with its measurements; all: every one)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per workload (median reported)")
     add_engine_args(p, only=BENCH_ENGINE_ARGS)
     p.add_argument("--overhead-steps", type=int, default=200, help="engine steps timed by the overhead workload")
@@ -40,14 +41,14 @@ def add_parser(subparsers) -> None:
 
 def _expand(names: list[str]) -> list[str]:
     if "all" in names:
-        return ["w1", "w2", "w3", "coldstart", "overhead", "roofline"]
+        return ["w1", "w2", "w3", "coldstart", "overhead", "roofline", "kernels"]
     return list(dict.fromkeys(names))
 
 
 def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enforce_eager: bool = False,
               overhead_steps: int = 200, **options) -> dict[str, Any]:
     from polyrunner.tools.bench import roofline
-    from polyrunner.tools.bench.run import cold_start, run_all_workloads
+    from polyrunner.tools.bench.run import cold_start, kernel_report, run_all_workloads
     from polyrunner.tools.bench.workloads import make_workload
     names = _expand(names)
     from polyrunner.tools.bench.host import host_info
@@ -55,6 +56,8 @@ def run_bench(names: list[str], repeats: int = 3, model: str | None = None, enfo
     gen = [n for n in names if n in ("w1", "w2", "w3")]
     if gen:
         out["workloads"] = run_all_workloads(gen, repeats, model, enforce_eager, **options)
+    if "kernels" in names:
+        out["kernels"] = kernel_report(model, enforce_eager, **options)
     if "coldstart" in names:
         out["coldstart"] = cold_start(repeats)
     if "overhead" in names:
@@ -96,6 +99,8 @@ def format_report(out: dict[str, Any]) -> str:
         c = out["coldstart"]
         lines.append(f"cold start: {c['cold_start_s']:.2f} s to the first token "
                      f"(runs: {', '.join(f'{r:.2f}' for r in c['runs'])})")
+    if "kernels" in out:
+        lines.append("kernels chosen (per weight shape and row count):\n" + out["kernels"])
     if "overhead_us" in out:
         lines.append("host overhead: " + ", ".join(f"{n} req {us:.0f} us/step" for n, us in out["overhead_us"].items()))
     if "roofline" in out:

@@ -120,3 +120,11 @@ def run_all_workloads(names: list[str], repeats: int, model: str | None = None,
     """`options`: more `LLM` arguments (e.g. dtype="bfloat16": a GGUF model dequantised)."""
     llm = make_llm(model, enforce_eager, **options)
     return [run_workload(llm, make_workload(n), repeats) for n in names]
+
+
+def kernel_report(model: str | None = None, enforce_eager: bool = False, **options) -> str:
+    """The kernels the backend's executor chose for the model (`GraphExecutor.kernel_report`),
+    measuring them first where this machine has no cached choice."""
+    llm = make_llm(model, enforce_eager, **options)
+    report = llm.engine.runner.executor.kernel_report()
+    return report or "the backend's executor reports no kernel choices for this model"

@@ -1,0 +1,135 @@
+"""The CPU backend's linear-kernel choice by measurement (`kernel_table.py`): the choice from
+the times, the cached table, `POLYRUNNER_CPU_LINEAR`, and every kernel forced through the
+selection against the exact product (each runs where this CPU has it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polyrunner.backends.cpu import kernel_table, kernels
+from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+from tolerances import assert_linear_close
+
+needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
+                                   reason="oneDNN bfloat16 packing unavailable on this CPU")
+
+
+def _times(**per_kernel):
+    """kernel -> {rows: us}, from `kernel=[(rows, us), ...]`."""
+    return {k: dict(points) for k, points in per_kernel.items()}
+
+
+@pytest.fixture(autouse=True)
+def _auto(monkeypatch):
+    monkeypatch.delenv("POLYRUNNER_CPU_LINEAR", raising=False)
+
+
+def test_plan_takes_the_fastest_per_row_count_with_pool_kernels_up_to_pool_steps():
+    times = _times(amx=[(1, 50), (8, 50), (64, 90), (128, 150), (512, 500)],
+                   dpbf16=[(1, 30), (8, 70), (64, 400), (128, None), (512, None)],
+                   onednn=[(1, 20), (8, 20), (64, 60), (128, 100), (512, 600)])
+    plan = kernel_table.plan(times, 600, ["amx", "dpbf16", "onednn"])
+    assert len(plan) == 601
+    assert plan[0] == plan[1] == "dpbf16"     # faster oneDNN ignored: decode steps stay on the pool
+    assert plan[4] == "dpbf16"                # interpolated: dpbf16 ~47 us, amx 50
+    assert plan[6] == "amx"                   # dpbf16 ~61 us, amx 50
+    assert plan[64] == "amx"                  # oneDNN 60 < 90, but a pool step
+    assert plan[65] == plan[128] == "onednn"  # above pool steps the fastest of all
+    assert plan[512] == plan[600] == "amx"    # beyond the last row count: its choice
+    assert kernel_table.pool_prefix(plan) == 64
+
+
+def test_plan_without_a_pool_kernel_and_with_untimed_kernels():
+    assert set(kernel_table.plan(_times(onednn=[(1, 5)]), 80, ["onednn"])) == {"onednn"}
+    # a candidate never timed (not in the table) is not chosen; no pool kernel at all: pool prefix 0
+    plan = kernel_table.plan(_times(onednn=[(1, 5), (64, 9)]), 64, ["dpbf16", "onednn"])
+    assert set(plan) == {"onednn"} and kernel_table.pool_prefix(plan) == 0
+
+
+def test_interpolate():
+    points = {1: 10.0, 9: 30.0, 16: None}
+    assert kernel_table.interpolate(points, 1) == 10.0
+    assert kernel_table.interpolate(points, 5) == 20.0
+    assert kernel_table.interpolate(points, 12) == float("inf")
+    assert kernel_table.interpolate({1: 10.0, 4: 16.0}, 8) == 32.0   # above the last: proportional
+    assert kernel_table.interpolate({}, 3) == float("inf")
+
+
+def test_forced_kernel(monkeypatch):
+    monkeypatch.setenv("POLYRUNNER_CPU_LINEAR", "onednn")
+    times = _times(amx=[(1, 1)], dpbf16=[(1, 1)], onednn=[(1, 100)])
+    assert set(kernel_table.plan(times, 10, ["amx", "dpbf16", "onednn"])) == {"onednn"}
+    monkeypatch.setenv("POLYRUNNER_CPU_LINEAR", "amx")
+    monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
+    with kernels.use_kernels("native"):
+        with pytest.raises(ValueError, match="POLYRUNNER_CPU_LINEAR=amx: that kernel cannot run here"):
+            kernel_table.forced()
+    monkeypatch.setenv("POLYRUNNER_CPU_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="POLYRUNNER_CPU_LINEAR"):
+        kernel_table.forced()
+
+
+@needs_packing
+def test_table_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    weights = {(64, 96): [torch.randn(64, 96, generator=g).to(torch.bfloat16) for _ in range(3)]}
+    first = kernel_table.linear_table(weights, 64, threads=1, rows_limit={(64, 96): 20})
+    names = [k for k in kernel_table.available() if kernel_table.supports(k, (64, 96))]
+    assert set(first[(64, 96)]) == set(names)
+    assert all(set(t) == {1, 2, 4, 8, 16, 20} for t in first[(64, 96)].values())
+    assert all(v is None or v > 0 for t in first[(64, 96)].values() for v in t.values())
+    files = list((tmp_path / "cpu_kernels").glob("kernel-table-*.json"))
+    assert len(files) == 1 and "64x96/hint64" in json.loads(files[0].read_text())
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again")
+    monkeypatch.setattr(kernel_table, "measure", fail)
+    assert kernel_table.linear_table(weights, 64, threads=1, rows_limit={(64, 96): 20}) == first
+    with pytest.raises(AssertionError, match="measured again"):   # another thread count: another table
+        kernel_table.linear_table(weights, 64, threads=3, rows_limit={(64, 96): 20})
+    assert kernel_table.table_key(1) != kernel_table.table_key(3)
+
+
+def _kernel_params():
+    """Each kernel, skipped where this CPU (or build) cannot run it, and the measured choice."""
+    reasons = {"amx": kernels.amx_unavailable_reason, "dpbf16": kernels.dpbf16_unavailable_reason}
+    out = []
+    for name in kernel_table.LINEAR_KERNELS:
+        why = reasons[name]() if name in reasons else None
+        out.append(pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"no {name}: {why}")))
+    return out + ["auto"]
+
+
+@needs_packing
+@pytest.mark.parametrize("kernel", _kernel_params())
+def test_each_kernel_through_the_selection_matches_the_exact_product(monkeypatch, tmp_path, kernel):
+    """`POLYRUNNER_CPU_LINEAR=<kernel>` (or the measured choice) from `plans` to a PackedLinear's
+    output, at decode and prefill row counts, strided input rows included."""
+    monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("POLYRUNNER_CPU_LINEAR", kernel)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 128, generator=g) / 8).to(torch.bfloat16)
+    plan = kernel_table.plans({(96, 128): [w]}, 64, threads=2, limit=kernel_table.ROWS[-1])[(96, 128)]
+    assert len(plan) == kernel_table.ROWS[-1] + 1
+    if kernel != "auto":
+        assert set(plan) == {kernel}
+    else:
+        assert set(plan) <= set(kernel_table.available())
+    lin = PackedLinear(w, None, 64, plan)
+    assert {name.removeprefix("packed_") for name, _ in lin.named_buffers() if name.startswith("packed_")} == set(plan)
+    for M in (1, 3, 17, 64, 100, 600):
+        x = torch.randn(M, 256, generator=g).to(torch.bfloat16)[:, ::2]   # row stride 256, column stride 2
+        assert_linear_close(lin(x), x, w, msg=f"{kernel} at {M} rows (plan: {plan[min(M, 512)]}): ")
+
+
+def test_plan_aligned_to_graph_sizes_gives_a_step_its_padded_graph_kernel():
+    """An eager step of 3 rows runs what the graph of 4 it pads to runs (kernels round differently)."""
+    times = _times(amx=[(1, 50), (2, 50), (4, 40), (8, 10)], dpbf16=[(1, 10), (2, 10), (4, 50), (8, 50)])
+    free = kernel_table.plan(times, 8, ["amx", "dpbf16"])
+    aligned = kernel_table.plan(times, 8, ["amx", "dpbf16"], align=[1, 2, 4, 8])
+    assert free[3] == "dpbf16" and aligned[3] == aligned[4] == "amx"
+    assert aligned[1] == aligned[2] == "dpbf16" and aligned[5:] == ("amx",) * 4
