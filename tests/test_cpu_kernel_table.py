@@ -133,3 +133,24 @@ def test_plan_aligned_to_graph_sizes_gives_a_step_its_padded_graph_kernel():
     aligned = kernel_table.plan(times, 8, ["amx", "dpbf16"], align=[1, 2, 4, 8])
     assert free[3] == "dpbf16" and aligned[3] == aligned[4] == "amx"
     assert aligned[1] == aligned[2] == "dpbf16" and aligned[5:] == ("amx",) * 4
+
+
+def test_prefill_attention_variant_is_chosen_by_the_cached_times(monkeypatch, tmp_path):
+    """auto: the faster variant on the timed prompt, read back from the table (AMX machines only:
+    elsewhere there is one variant and nothing is timed)."""
+    from polyrunner.backends.cpu import attention
+    monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("POLYRUNNER_CPU_PREFILL_ATTENTION", "auto")
+    monkeypatch.setattr(attention, "_choice", {})
+    with kernels.use_kernels("native"):
+        q, cache = torch.zeros(4, 6, 64, dtype=torch.bfloat16), torch.zeros(2, 8, 16, 2, 64, dtype=torch.bfloat16)
+        if not kernels.simd_bf16() or kernels.prefill_attention_amx_reason() is not None:
+            assert attention.prefill_uses_amx(q, cache) is False
+            assert not list(tmp_path.glob("cpu_kernels/kernel-table-*.json"))
+            return
+        chosen = attention.prefill_uses_amx(q, cache)
+        table = json.loads(next(tmp_path.glob("cpu_kernels/kernel-table-*.json")).read_text())
+        times = table["prefill attention 6/2x64 block 16"]
+        assert chosen == (sum(times["amx"].values()) < sum(times["dpbf16"].values()))
+        monkeypatch.setenv("POLYRUNNER_CPU_PREFILL_ATTENTION", "dpbf16")
+        assert attention.prefill_uses_amx(q, cache) is False

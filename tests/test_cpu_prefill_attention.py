@@ -40,8 +40,17 @@ def _prefills(rng, lengths, priors, block_size, num_blocks):
 @pytest.mark.parametrize("heads,kv_heads,head,window", [(9, 3, 64, None), (4, 4, 128, None), (8, 2, 64, 100),
                                                         (6, 3, 128, 37)])
 @pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("variant", ["dpbf16", "amx"])
 def test_prefill_kernel_matches_reference_and_sdpa(cpu_kernels, monkeypatch, heads, kv_heads, head, window,
-                                                   block_size):
+                                                   block_size, variant):
+    """Each variant forced (`POLYRUNNER_CPU_PREFILL_ATTENTION`): AVX512_BF16 tiles, AMX tiles."""
+    monkeypatch.setenv("POLYRUNNER_CPU_PREFILL_ATTENTION", variant)
+    if variant == "amx":
+        if cpu_kernels is kernels.load_library("portable"):
+            pytest.skip("the portable build has no prefill kernel (the dpbf16 case checks SDPA runs)")
+        with kernels.use_kernels("native"):
+            if kernels.prefill_attention_amx_reason() is not None:
+                pytest.skip(f"no AMX prefill attention: {kernels.prefill_attention_amx_reason()}")
     rng = np.random.default_rng(heads * 1000 + head + block_size)
     g = torch.Generator().manual_seed(head + block_size)
     lengths, priors = [300, 17, 129, 1 + 64], [0, 0, 211, 40]    # fresh prompts and chunks after a prefix

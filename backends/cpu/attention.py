@@ -18,11 +18,12 @@ Without the kernel (no C++ compiler, float16) this is the reference attention.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
-from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu import envs, kernel_table, kernels
 from polyrunner.plugin_api import AttentionMetadata, LayerSpec, causal_mask, reference_paged_attention
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,54 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
                         0, nd, spec.scale, window)
     if R > nd and not kernels.prefill_attention_bf16(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                                      meta.block_tables, out, nd, R, spec.scale, window):
+                                                      meta.block_tables, out, nd, R, spec.scale, window,
+                                                      prefill_uses_amx(q, kv_cache)):
         _prefill(q, k, v, kv_cache, meta, spec, out, nd, R)
     return out
+
+
+_choice: dict[tuple, bool] = {}
+
+
+def prefill_uses_amx(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether bfloat16 prefills of this head shape run the AMX variant of the prefill kernel:
+    `POLYRUNNER_CPU_PREFILL_ATTENTION`, else the faster of the two on a 256-token prompt, timed once
+    per machine (`kernel_table.cached`) and remembered per process."""
+    if q.dtype != torch.bfloat16 or not kernels.simd_bf16():
+        return False   # no prefill kernel here at all (SDPA runs)
+    Hq, (_, _, bs, Hkv, D) = q.shape[1], kv_cache.shape
+    forced = envs.PREFILL_ATTENTION.get()
+    key = (Hq, Hkv, D, bs, torch.get_num_threads(), forced, id(kernels.paged_attention_kernel()))
+    if key not in _choice:
+        why = kernels.prefill_attention_amx_reason()
+        if forced == "amx" and why is not None:
+            raise ValueError(f"POLYRUNNER_CPU_PREFILL_ATTENTION=amx: the AMX kernel cannot run here ({why})")
+        if forced != "auto" or why is not None:
+            _choice[key] = forced == "amx"
+        else:
+            times = kernel_table.cached(f"prefill attention {Hq}/{Hkv}x{D} block {bs}",
+                                        lambda: _time_prefill(Hq, Hkv, D, bs), threads=key[4])
+            _choice[key] = sum(times["amx"].values()) < sum(times["dpbf16"].values())
+    return _choice[key]
+
+
+def _time_prefill(Hq: int, Hkv: int, D: int, bs: int, L: int = 256) -> kernel_table.Times:
+    """us per call of each prefill kernel on one fresh prompt of L tokens (the kernels take turns)."""
+    g = torch.Generator().manual_seed(0)
+    nb = -(-L // bs)
+    q = torch.randn(L, Hq, D, generator=g).to(torch.bfloat16)
+    cache = torch.randn(2, nb + 1, bs, Hkv, D, generator=g).to(torch.bfloat16)
+    qsl, seq_lens = torch.tensor([0, L], dtype=torch.int32), torch.tensor([L], dtype=torch.int32)
+    table = torch.arange(1, nb + 1, dtype=torch.int32)[None]
+    out = torch.empty_like(q)
+    best = {"amx": float("inf"), "dpbf16": float("inf")}
+    for rep in range(kernel_table.REPEATS + 1):   # the first pass warms
+        for name in best:
+            start = time.perf_counter()
+            kernels.prefill_attention_bf16(q, cache, qsl, seq_lens, table, out, 0, 1, D ** -0.5, 0, name == "amx")
+            if rep:
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e6)
+    return {name: {L: t} for name, t in best.items()}
 
 
 def _prefill(q, k, v, kv_cache, meta, spec, out, first: int, last: int) -> None:

@@ -21,6 +21,9 @@ SIMD = declare("POLYRUNNER_CPU_SIMD", bool, True,
                "0: use the portable kernel build (the plain loops an AVX2-only CPU runs)", section=_S)
 PREFILL_KERNEL = declare("POLYRUNNER_CPU_PREFILL_KERNEL", bool, True,
                          "0: bfloat16 prefill attention by SDPA instead of the AVX512_BF16 kernel", section=_S)
+PREFILL_ATTENTION = declare("POLYRUNNER_CPU_PREFILL_ATTENTION", str, "auto",
+                            "bfloat16 prefill attention kernel; auto: the faster here (AMX tiles or AVX512_BF16), "
+                            "timed once per machine and head shape", choices=("auto", "amx", "dpbf16"), section=_S)
 AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
               "0: no AMX linear kernel (a stand-in for CPUs without AMX)", section=_S)
 DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,

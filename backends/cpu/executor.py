@@ -187,15 +187,16 @@ def pool_step_rows(model: nn.Module) -> int:
 
 def pack_linears(model: nn.Module, batch_hint: int, threads: int = 1, align: Sequence[int] = ()) -> int:
     """Replace every bfloat16 "linear" the model declares (an `nn.Linear`) by a PackedLinear running
-    the kernels measured fastest here per row count (`kernel_table.py`, timed on `threads`
-    threads; `align`: the graphs' batch sizes, see `kernel_table.plan`); returns how many."""
+    the kernels measured fastest here per row count up to `batch_hint` (the step's token budget;
+    `kernel_table.py`, timed on `threads` threads; `align`: the graphs' batch sizes, see
+    `kernel_table.plan`); returns how many."""
     targets = [(parent, name, child) for parent, name, child in replaceable(model, "linear")
                if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16]
     by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
     for _, _, child in targets:
         if child.bias is None:
             by_shape.setdefault(tuple(child.weight.shape), []).append(child.weight.detach())
-    plans = kernel_table.plans(by_shape, batch_hint, threads, kernel_table.ROWS[-1], align)
+    plans = kernel_table.plans(by_shape, batch_hint, threads, batch_hint, align)
     for parent, name, child in targets:
         plan = plans.get(tuple(child.weight.shape), ("onednn",))
         setattr(parent, name, PackedLinear(child.weight, child.bias, batch_hint, plan))

@@ -209,7 +209,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.pr_prefill_attention_bf16.restype = ctypes.c_int
     lib.pr_prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
-                                              i64, i64, ctypes.c_float, i64]
+                                              i64, i64, ctypes.c_float, i64, i64]
+    lib.pr_prefill_attention_amx.restype = ctypes.c_int
     lib.pr_gather_rows.restype = None
     lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
     lib.pr_replay.restype = i64
@@ -267,10 +268,11 @@ def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
 
 def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-                           r_begin: int, r_end: int, scale: float, window: int) -> bool:
+                           r_begin: int, r_end: int, scale: float, window: int, amx: bool = False) -> bool:
     """Attend requests [r_begin, r_end) (their keys and values already in the cache) into
-    `out` with `prefill_attention.cpp`; False when it does not run here (not bfloat16, head
-    dim not 64/128, no AVX512_BF16 build, `POLYRUNNER_CPU_PREFILL_KERNEL=0`): use SDPA."""
+    `out` with `prefill_attention.cpp` (`amx`: its AMX variant); False when it does not run here
+    (not bfloat16, head dim not 64/128, no AVX512_BF16 (or AMX) build,
+    `POLYRUNNER_CPU_PREFILL_KERNEL=0`): use SDPA."""
     if (q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or _lib is None
             or not envs.PREFILL_KERNEL.get()):
         return False
@@ -280,7 +282,16 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     return call(   # (not replayable: a capture that reached it would fail, not skip it)
         _lib.pr_prefill_attention_bf16, q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D,
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window) == 0
+        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window, int(amx)) == 0
+
+
+def prefill_attention_amx_reason() -> str | None:
+    """None when the AMX prefill attention can run here, else why not."""
+    if not amx_available():
+        return amx_unavailable_reason()
+    if _lib is None or not _lib.pr_prefill_attention_amx():
+        return "this kernel build has no AMX prefill attention"
+    return None
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -146,19 +146,135 @@ void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, in
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PR_PREFILL_AMX 1
+// The same tile on AMX, two-pass instead of online: S = Q K^T for every key block the tile sees
+// (AMX, into a row-major float buffer), an exact softmax per row (one max and one sum over the whole
+// row, P rounded to bfloat16 as above), then O = P V (AMX), normalised once. The packs' layouts are
+// already tile rows: a K tile (32 dims x 16 keys) is 16 dim pairs of the block, stride 32 pairs; a V
+// tile (32 keys x 16 dims) is 16 key pairs, stride D. Tiles: 0-3 sums, 2/4/5 or 4-7 operands.
+void tile_amx(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, int64_t L, int64_t t0, int64_t nt,
+              int64_t D, Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window) {
+  const int64_t P = D / 2;
+  const int64_t pos0 = L - nq + t0, pos1 = pos0 + nt - 1;
+  const int64_t b0 = (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / KB, b1 = pos1 / KB + 1;
+  const int64_t W = (b1 - b0) * KB;  // keys [b0 * KB, b1 * KB) in the buffers
+  thread_local std::vector<float> sbuf;
+  thread_local std::vector<uint16_t> pbuf, qbuf;
+  sbuf.resize(size_t(QT * W));
+  pbuf.resize(size_t(QT * W));
+  qbuf.assign(size_t(QT * D), 0);  // the tile's queries, padded with zero rows to 16
+  for (int64_t i = 0; i < nt; ++i) std::memcpy(&qbuf[i * D], q + (q0 + t0 + i) * q_ts + h * D, size_t(D) * 2);
+  alignas(64) uint8_t cfg[64] = {0};
+  cfg[0] = 1;  // palette 1: every tile 16 rows x 64 bytes
+  for (int t = 0; t < 8; ++t) {
+    cfg[16 + 2 * t] = 64;
+    cfg[48 + t] = 16;
+  }
+  _tile_loadconfig(cfg);
+  for (int64_t b = b0; b < b1; ++b) {  // S, 32 keys (two C tiles) per block
+    const uint32_t* kb = p.k + b * P * KB;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t db = 0; db < D / 32; ++db) {
+      _tile_loadd(2, &qbuf[db * 32], D * 2);
+      _tile_loadd(4, kb + db * 16 * KB, KB * 4);
+      _tile_loadd(5, kb + db * 16 * KB + 16, KB * 4);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 2, 5);
+    }
+    _tile_stored(0, &sbuf[(b - b0) * KB], W * 4);
+    _tile_stored(1, &sbuf[(b - b0) * KB + 16], W * 4);
+  }
+  float l[QT];
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = 0; i < QT; ++i) {  // P = exp(S * scale - max) on the keys row i sees, else 0
+    uint16_t* pr = &pbuf[i * W];
+    if (i >= nt) {
+      std::memset(pr, 0, size_t(W) * 2);
+      continue;
+    }
+    const float* sr = &sbuf[i * W];
+    const int64_t pos = pos0 + i, first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    const __m512 lo = _mm512_set1_ps(float(first - b0 * KB)), hi = _mm512_set1_ps(float(pos - b0 * KB));
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < W; j += 16) {
+      const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(float(j)));
+      const __mmask16 ok = _mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(key, hi, _CMP_LE_OQ);
+      mx = _mm512_mask_max_ps(mx, ok, mx, _mm512_mul_ps(_mm512_loadu_ps(sr + j), sc));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < W; j += 16) {
+      const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(float(j)));
+      const __mmask16 ok = _mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(key, hi, _CMP_LE_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + j), sc), m)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    l[i] = _mm512_reduce_add_ps(sum);
+  }
+  alignas(64) float o[4][16][16];
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // O = P V, 64 dims (four C tiles) at a time
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint32_t* vb = p.v + b * (KB / 2) * D + d0;
+      _tile_loadd(4, &pbuf[(b - b0) * KB], W * 2);
+      _tile_loadd(5, vb, D * 4);
+      _tile_loadd(6, vb + 16, D * 4);
+      _tile_loadd(7, vb + 32, D * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, vb + 48, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, o[0], 64);
+    _tile_stored(1, o[1], 64);
+    _tile_stored(2, o[2], 64);
+    _tile_stored(3, o[3], 64);
+    for (int64_t i = 0; i < nt; ++i) {
+      const __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+      uint16_t* dst = out + (q0 + t0 + i) * o_ts + h * D + d0;
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[c][i]), inv)));
+    }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
 #endif
 
 extern "C" {
 
+// 1 when the AMX variant of pr_prefill_attention_bf16 is compiled in, else 0.
+int pr_prefill_attention_amx() {
+#ifdef PR_PREFILL_AMX
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // Attend requests [r_begin, r_end) (bfloat16, D 64 or 128); arguments as pr_paged_attention's
-// (the step's keys and values already in the cache). 0, or 1 when unsupported here.
+// (the step's keys and values already in the cache); `amx`: the AMX tiles instead of vdpbf16ps.
+// 0, or 1 when unsupported here.
 int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* cache, int64_t NB, int64_t bs,
                               int64_t Hq, int64_t Hkv, int64_t D, const int32_t* qsl, const int32_t* seq_lens,
                               const int32_t* bt, int64_t bt_stride, uint16_t* out, int64_t o_ts, int64_t r_begin,
-                              int64_t r_end, float scale, int64_t window) {
+                              int64_t r_end, float scale, int64_t window, int64_t amx) {
 #ifdef PR_PREFILL_BF16
   if ((D != 64 && D != 128) || Hkv <= 0 || Hq % Hkv) return 1;
+#ifndef PR_PREFILL_AMX
+  if (amx) return 1;
+#endif
   const int64_t G = Hq / Hkv;
   std::vector<int64_t> offset(r_end - r_begin + 1, 0);  // pack words before request r's
   for (int64_t r = r_begin; r < r_end; ++r) {
@@ -193,6 +309,12 @@ int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* c
       const int64_t r = items[i].first / Hq, h = items[i].first % Hq, t0 = items[i].second;
       const int64_t nq = int64_t(qsl[r + 1]) - qsl[r], nt = std::min<int64_t>(QT, nq - t0);
       const Pack p = pack_of(r, h / G);
+#ifdef PR_PREFILL_AMX
+      if (amx) {
+        tile_amx(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, D, p, out, o_ts, scale, window);
+        continue;
+      }
+#endif
       if (D == 64)
         tile<4>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window);
       else
@@ -203,6 +325,7 @@ int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* c
 #else
   (void)q; (void)q_ts; (void)cache; (void)NB; (void)bs; (void)Hq; (void)Hkv; (void)D; (void)qsl; (void)seq_lens;
   (void)bt; (void)bt_stride; (void)out; (void)o_ts; (void)r_begin; (void)r_end; (void)scale; (void)window;
+  (void)amx;
   return 1;
 #endif
 }
