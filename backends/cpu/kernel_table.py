@@ -265,11 +265,12 @@ def plans(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, threads
     if not weights:
         return {}
     only = forced()
-    tables = {} if only is not None else linear_table(weights, hint, threads, {s: limit for s in weights})
+    contested = {s: w for s, w in weights.items() if len([k for k in available() if supports(k, s)]) > 1}
+    tables = {} if only is not None else linear_table(contested, hint, threads, {s: limit for s in contested})
     out = {s: plan(tables.get(s, {}), limit, [k for k in available() if supports(k, s)], align) for s in weights}
     reports.append(format_table(tables, out) if tables else
-                   f"every linear of shapes {', '.join(f'{n} x {k}' for n, k in weights)}: {only} "
-                   f"(POLYRUNNER_CPU_LINEAR)")
+                   f"every linear of shapes {', '.join(f'{n} x {k}' for n, k in weights)}: "
+                   + (f"{only} (POLYRUNNER_CPU_LINEAR)" if only else f"{available()[0]}, the only kernel here"))
     return out
 
 
