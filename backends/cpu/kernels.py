@@ -55,7 +55,7 @@ SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linear
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
-           Path(__file__).with_name("simd_exp.h")]
+           Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}

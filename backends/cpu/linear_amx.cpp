@@ -27,6 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #define PR_AMX 1
+#include "amx_tiles.h"
 #endif
 
 extern "C" {
@@ -86,22 +87,12 @@ inline void store_bf16(const float (*t)[16], int64_t m0, int64_t M, uint16_t* y,
                         (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(t[i])));
 }
 
-void configure_tiles() {
-  alignas(64) uint8_t cfg[64] = {0};
-  cfg[0] = 1;  // palette 1: every tile 16 rows x 64 bytes
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;
-    cfg[48 + t] = 16;
-  }
-  _tile_loadconfig(cfg);
-}
-
 // Tasks [chunk * per_chunk, ...): task t = feature blocks 2t, 2t + 1 (the second absent at an odd end).
 void run_chunk(void* ctx, int64_t chunk, int) {
   const Call& c = *static_cast<const Call*>(ctx);
   const int64_t ntasks = (c.nnb + 1) / 2, t1 = std::min(ntasks, (chunk + 1) * c.per_chunk);
   const int64_t tile_bytes = c.nkb * 1024;  // one feature block's weights
-  configure_tiles();
+  pr::configure_tiles_16x64();
   alignas(64) float acc[4][16][16];
   for (int64_t t = chunk * c.per_chunk; t < t1; ++t) {
     const int64_t nb = 2 * t;

@@ -148,6 +148,9 @@ void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, in
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PR_PREFILL_AMX 1
+}  // namespace
+#include "amx_tiles.h"
+namespace {
 // The same tile on AMX, two-pass instead of online: S = Q K^T for every key block the tile sees
 // (AMX, into a row-major float buffer), an exact softmax per row (one max and one sum over the whole
 // row, P rounded to bfloat16 as above), then O = P V (AMX), normalised once. The packs' layouts are
@@ -165,13 +168,7 @@ void tile_amx(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq
   pbuf.resize(size_t(QT * W));
   qbuf.assign(size_t(QT * D), 0);  // the tile's queries, padded with zero rows to 16
   for (int64_t i = 0; i < nt; ++i) std::memcpy(&qbuf[i * D], q + (q0 + t0 + i) * q_ts + h * D, size_t(D) * 2);
-  alignas(64) uint8_t cfg[64] = {0};
-  cfg[0] = 1;  // palette 1: every tile 16 rows x 64 bytes
-  for (int t = 0; t < 8; ++t) {
-    cfg[16 + 2 * t] = 64;
-    cfg[48 + t] = 16;
-  }
-  _tile_loadconfig(cfg);
+  pr::configure_tiles_16x64();
   for (int64_t b = b0; b < b1; ++b) {  // S, 32 keys (two C tiles) per block
     const uint32_t* kb = p.k + b * P * KB;
     _tile_zero(0);
