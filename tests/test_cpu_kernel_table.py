@@ -24,7 +24,9 @@ def _times(**per_kernel):
 
 @pytest.fixture(autouse=True)
 def _auto(monkeypatch):
+    """The measured choice, and a quiet machine as far as caching goes (a busy one: the last tests)."""
     monkeypatch.delenv("POLYRUNNER_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(kernel_table, "BUSY_LIMIT", float("inf"))
 
 
 def test_plan_takes_the_fastest_per_row_count_with_pool_kernels_up_to_pool_steps():
@@ -154,3 +156,26 @@ def test_prefill_attention_variant_is_chosen_by_the_cached_times(monkeypatch, tm
         assert chosen == (sum(times["amx"].values()) < sum(times["dpbf16"].values()))
         monkeypatch.setenv("POLYRUNNER_CPU_PREFILL_ATTENTION", "dpbf16")
         assert attention.prefill_uses_amx(q, cache) is False
+
+
+def test_times_taken_under_load_are_used_but_not_cached(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_table, "BUSY_LIMIT", 0.5)
+    monkeypatch.setattr(kernel_table.threads_, "busy_elsewhere", lambda a, b: 1.7)
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"a": {1: 5.0}}
+    assert kernel_table.cached("k", measure, threads=1) == {"a": {1: 5.0}}
+    assert "other processes kept 1.7 cores busy: not cached" in caplog.text
+    assert not list(tmp_path.glob("cpu_kernels/kernel-table-*.json"))
+    monkeypatch.setattr(kernel_table.threads_, "busy_elsewhere", lambda a, b: 0.1)
+    kernel_table.cached("k", measure, threads=1)
+    assert kernel_table.cached("k", measure, threads=1) == {"a": {1: 5.0}} and len(calls) == 2   # then cached
+
+
+def test_busy_elsewhere_counts_other_processes_cores():
+    from polyrunner.backends.cpu.threads import busy_elsewhere
+    assert busy_elsewhere((0.0, 10.0, 1.0), (2.0, 14.0, 2.0)) == 1.5    # 4 busy CPU-s, 1 ours, over 2 s
+    assert busy_elsewhere(None, (1.0, 2.0, 3.0)) == 0.0

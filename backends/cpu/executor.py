@@ -86,23 +86,9 @@ class ThreadGovernor:
         self.interval = interval
         self.stale_after = stale_after
         self.current = max_threads
-        self._sample = sample or self._proc_sample
+        self._sample = sample or threads.cpu_sample
         self._clock = clock
         self._last = self._sample()
-
-    @staticmethod
-    def _proc_sample() -> tuple[float, float, float] | None:
-        """(monotonic time, seconds every CPU was busy, seconds this process ran)."""
-        try:
-            with open("/proc/stat") as f:
-                fields = f.readline().split()[1:]
-        except OSError:
-            return None
-        ticks = os.sysconf("SC_CLK_TCK")
-        values = [int(x) for x in fields]
-        busy = (sum(values[:8]) - values[3] - values[4]) / ticks  # all but idle and iowait
-        t = os.times()
-        return time.monotonic(), busy, t.user + t.system
 
     def threads(self) -> int:
         if self.max_threads == 1 or self._last is None:
@@ -116,7 +102,7 @@ class ThreadGovernor:
         if wall > self.stale_after:   # idle since the last call: start again from every thread
             self._last, self.current = sample, self.max_threads
             return self.current
-        others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
+        others = threads.busy_elsewhere(self._last, sample)
         self._last = sample
         free = available_cpus() - others
         self.current = max(1, min(self.max_threads, int(free + 0.3)))

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from polyrunner.backends.cpu import envs, kernels
+from polyrunner.backends.cpu import threads as threads_
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ STREAM_BYTES = 64 << 20   # a shape's layers timed in turn up to this many weigh
 STREAM_ROWS = 64          # above: compute-bound, two layers are enough
 REPEATS = 5               # timed passes per (kernel, rows); the fastest counts
 GIVE_UP = 4.0             # a kernel this many times slower than the best at some rows is not timed above
+BUSY_LIMIT = 0.5          # cores other processes may keep busy while timing, for the times to be cached
 
 Times = dict[str, dict[int, float | None]]   # kernel -> rows -> us per call (None: not timed, too slow)
 
@@ -214,14 +216,27 @@ def cached(key: str, measure_fn: Callable[[], Times], threads: int) -> Times:
     table = _read(path)
     if key in table:
         return {k: {int(M): t for M, t in v.items()} for k, v in table[key].items()}
-    start = time.perf_counter()
+    start, before = time.perf_counter(), threads_.cpu_sample()
     times = measure_fn()
-    table = _read(path)   # what other engines added meanwhile
-    table[key] = times
-    _write(path, table)
+    if _quiet(before, key):
+        table = _read(path)   # what other engines added meanwhile
+        table[key] = times
+        _write(path, table)
     logger.info("timed %s in %.2f s: %s", key, time.perf_counter() - start,
                 ", ".join(f"{k} {sum(t for t in v.values() if t is not None):.0f} us" for k, v in times.items()))
     return times
+
+
+def _quiet(before: tuple[float, float, float] | None, what: str) -> bool:
+    """Whether other processes left the cores alone while `what` was timed (since `before`): at most
+    `BUSY_LIMIT` cores busy elsewhere. Times taken under load rank kernels by how they suffer from it,
+    so they are used for this process only and not cached (the next start times again)."""
+    busy = threads_.busy_elsewhere(before, threads_.cpu_sample())
+    if busy > BUSY_LIMIT:
+        logger.warning("timed %s while other processes kept %.1f cores busy: not cached (the next start "
+                       "times it again)", what, busy)
+        return False
+    return True
 
 
 def linear_table(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, threads: int,
@@ -232,7 +247,7 @@ def linear_table(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, 
     path = table_path(threads)
     cached = _read(path)
     names = available()
-    out, measured, start = {}, [], time.perf_counter()
+    out, measured, start, before = {}, [], time.perf_counter(), threads_.cpu_sample()
     saved = torch.get_num_threads()
     try:
         for shape, layers in weights.items():
@@ -250,8 +265,9 @@ def linear_table(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, 
             out[shape] = entry
     finally:
         torch.set_num_threads(saved)
-    if measured:
+    if measured and _quiet(before, "the bfloat16 linear kernels"):
         _write(path, {**_read(path), **cached})
+    if measured:
         logger.info("timed the bfloat16 linear kernels (%s) at %d weight shapes in %.1f s on %d threads; "
                     "cached in %s", ", ".join(names), len(measured), time.perf_counter() - start, threads, path)
     return out

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from polyrunner.backends.cpu import envs
@@ -79,3 +80,25 @@ def default_threads() -> int:
 def spin_us() -> int:
     """`POLYRUNNER_CPU_SPIN_US` (default 200): how long an idle pool helper spins before sleeping."""
     return envs.SPIN_US.get()
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(monotonic time, seconds every CPU was busy, seconds this process ran), from Linux's
+    /proc/stat; None elsewhere. Two samples give how many cores other processes kept busy."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    values = [int(x) for x in fields]
+    busy = (sum(values[:8]) - values[3] - values[4]) / ticks  # all but idle and iowait
+    t = os.times()
+    return time.monotonic(), busy, t.user + t.system
+
+
+def busy_elsewhere(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> float:
+    """Cores other processes kept busy on average between two `cpu_sample`s (0.0 when unknown)."""
+    if start is None or end is None or end[0] <= start[0]:
+        return 0.0
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
