@@ -69,9 +69,9 @@ def prefill_uses_amx(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether bfloat16 prefills of this head shape run the AMX variant of the prefill kernel:
     `POLYRUNNER_CPU_PREFILL_ATTENTION`, else the faster of the two on a 256-token prompt, timed once
     per machine (`kernel_table.cached`) and remembered per process."""
-    if q.dtype != torch.bfloat16 or not kernels.simd_bf16():
-        return False   # no prefill kernel here at all (SDPA runs)
     Hq, (_, _, bs, Hkv, D) = q.shape[1], kv_cache.shape
+    if q.dtype != torch.bfloat16 or D not in (64, 128) or not kernels.simd_bf16():
+        return False   # no prefill kernel for this at all (SDPA runs)
     forced = envs.PREFILL_ATTENTION.get()
     key = (Hq, Hkv, D, bs, torch.get_num_threads(), forced, id(kernels.paged_attention_kernel()))
     if key not in _choice:
