@@ -18,7 +18,6 @@ Without the kernel (no C++ compiler, float16) this is the reference attention.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
@@ -96,13 +95,10 @@ def _time_prefill(Hq: int, Hkv: int, D: int, bs: int, L: int = 256) -> kernel_ta
     qsl, seq_lens = torch.tensor([0, L], dtype=torch.int32), torch.tensor([L], dtype=torch.int32)
     table = torch.arange(1, nb + 1, dtype=torch.int32)[None]
     out = torch.empty_like(q)
-    best = {"amx": float("inf"), "dpbf16": float("inf")}
-    for rep in range(kernel_table.REPEATS + 1):   # the first pass warms
-        for name in best:
-            start = time.perf_counter()
-            kernels.prefill_attention_bf16(q, cache, qsl, seq_lens, table, out, 0, 1, D ** -0.5, 0, name == "amx")
-            if rep:
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e6)
+    best = kernel_table.time_in_turns(
+        {name: (lambda amx=name == "amx": kernels.prefill_attention_bf16(q, cache, qsl, seq_lens, table, out, 0, 1,
+                                                                        D ** -0.5, 0, amx))
+         for name in ("amx", "dpbf16")})
     return {name: {L: t} for name, t in best.items()}
 
 

@@ -321,8 +321,7 @@ class CPUExecutor(StaticGraphExecutor):
         fused = 0
         if dtype == torch.bfloat16 and envs.FUSE.get():
             fused = fuse_elementwise(model)
-        forward_rows = pool_step_rows(model)
-        forward_rows = min(forward_rows, POOL_STEP_ROWS)
+        forward_rows = min(pool_step_rows(model), POOL_STEP_ROWS)
         self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
         # graphs need every op of a decode step in a C++ kernel: fused bfloat16 modules, pool linears,
         # no all-reduce between them (tensor parallelism)

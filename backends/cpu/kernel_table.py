@@ -143,11 +143,24 @@ def pool_prefix(choices: Sequence[str]) -> int:
 
 
 # ---- measuring ----------------------------------------------------------------------
+def time_in_turns(calls: dict[str, Callable[[], object]], per_call: dict[str, int] | None = None) -> dict[str, float]:
+    """us per call of each of `calls` (name -> a function doing `per_call[name]` calls, default 1): the
+    functions take turns within each of `REPEATS` repeats after one warm pass (first touch, threads
+    awake), so a burst of load elsewhere on a shared host hits them alike; the fastest repeat counts."""
+    best = {name: math.inf for name in calls}
+    for rep in range(REPEATS + 1):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            if rep:
+                best[name] = min(best[name], (time.perf_counter() - start) / (per_call or {}).get(name, 1) * 1e6)
+    return best
+
+
 def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence[int], hint: int) -> Times:
     """us per call of each of `kernels_` at each of `rows` for one shape (`weights`: its layers,
-    bfloat16 [N, K], taken in turn up to `STREAM_BYTES`). The kernels take turns within every
-    repeat, so a burst of load elsewhere on a shared host hits them alike; the fastest repeat counts.
-    A kernel `GIVE_UP` times slower than the best at some row count is not timed above it (None)."""
+    bfloat16 [N, K], taken in turn up to `STREAM_BYTES`), by `time_in_turns`. A kernel `GIVE_UP`
+    times slower than the best at some row count is not timed above it (None)."""
     N, K = weights[0].shape
     per = weights[0].numel() * weights[0].element_size()
     layers = weights[:max(1, min(len(weights), STREAM_BYTES // max(1, per)))]
@@ -158,15 +171,8 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
     for M in rows:
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
         use = {k: packed[k] if M <= STREAM_ROWS else packed[k][:2] for k in alive}
-        best = {k: math.inf for k in alive}
-        for rep in range(REPEATS + 1):   # the first pass warms (first touch, threads awake); not counted
-            for k in alive:
-                fn = runner(k)
-                start = time.perf_counter()
-                for p in use[k]:
-                    fn(x, p, N, None)
-                if rep:
-                    best[k] = min(best[k], (time.perf_counter() - start) / len(use[k]) * 1e6)
+        best = time_in_turns({k: (lambda fn=runner(k), ps=use[k]: [fn(x, p, N, None) for p in ps]) for k in alive},
+                             {k: len(use[k]) for k in alive})
         fastest = min(best.values())
         for k in list(alive):
             out[k][M] = best[k]

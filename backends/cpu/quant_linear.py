@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 
 import torch
 from torch import nn
@@ -114,18 +113,15 @@ def measured_isa(qtype: str, blocks: torch.Tensor, shape: tuple[int, int], r8: b
         return isas[0] if isas else default_isa(lib)
 
     def measure() -> kernel_table.Times:
-        xs = {M: torch.randn(M, shape[1], generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
-              for M in MEASURE_ROWS}
-        best = {i: {M: float("inf") for M in MEASURE_ROWS} for i in isas}
         calls = max(1, min(8, (4 << 20) // max(1, blocks.numel())))   # ~4 MiB of weights per timing
-        for rep in range(kernel_table.REPEATS + 1):   # the paths take turns; the first pass warms
-            for M, x in xs.items():
-                for isa in isas:
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        quant_matmul(qtype, blocks, shape[1], x, None, isa, lib, r8)
-                    if rep:
-                        best[isa][M] = min(best[isa][M], (time.perf_counter() - start) / calls * 1e6)
+        best: kernel_table.Times = {i: {} for i in isas}
+        for M in MEASURE_ROWS:
+            x = torch.randn(M, shape[1], generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+            at_m = kernel_table.time_in_turns(
+                {i: (lambda i=i: [quant_matmul(qtype, blocks, shape[1], x, None, i, lib, r8) for _ in range(calls)])
+                 for i in isas}, dict.fromkeys(isas, calls))
+            for i, t in at_m.items():
+                best[i][M] = t
         return best
 
     times = kernel_table.cached(f"quant {qtype} {shape[0]}x{shape[1]}{' r8' if r8 else ''}", measure, threads=1)
