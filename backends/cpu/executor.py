@@ -293,7 +293,7 @@ class CPUExecutor(StaticGraphExecutor):
         super().__init__(model, CPUGraphAPI(lib) if lib is not None else GraphAPI(),
                          max_num_seqs=config.scheduler.max_num_seqs, enforce_eager=config.runner.enforce_eager,
                          length_adaptive=True,   # the decode attention's cost follows seq_lens
-                         num_warmups=0)          # a capture runs the step itself; nothing to warm up first
+                         num_warmups=0)          # a capture only records; nothing to warm up first
         keep_freed_memory()   # no page faults on the steps' temporaries (see host_memory.py)
         self.threads = threads.default_threads()  # one per physical core (see threads.py)
         auto = threads.threads_auto()

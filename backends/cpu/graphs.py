@@ -8,7 +8,8 @@ step on 2 Zen 4 cores). `CPUGraphAPI` plugs into the core's `StaticGraphExecutor
 way CUDA graphs do. `capture(fn)` runs the forward once while
 
 - every kernel call made through `kernel_calls.call` is recorded (kernel id and
-  arguments: pointers, sizes, scales);
+  arguments: pointers, sizes, scales), not run: like a CUDA graph capture, it
+  computes nothing (11 captures of quantized SmolLM2 took 1.3 s when they ran);
 - `_Vet`, a TorchDispatchMode, sees every torch op: allocations come from one
   arena shared by all graphs (they never run at once; the largest is captured
   first, so the others fit in its blocks), views pass, an embedding lookup

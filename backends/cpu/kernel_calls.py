@@ -1,8 +1,8 @@
 """The one way the CPU backend's Python calls its C++ kernels: `call(fn, *args)`.
 
 A call runs the ctypes function `fn` now; while a CPU graph is being captured
-(`record_calls()`, see `graphs.py`) it is also appended to the capture's record as
-`(kernel id, arguments)`, which `graph_replay.cpp` replays without Python.
+(`record_calls()`, see `graphs.py`) it is instead appended to the capture's record
+as `(kernel id, arguments)`, which `graph_replay.cpp` replays without Python.
 `REPLAYABLE` lists the kernels the replayer knows, in its `Kernel` enum's order;
 a call of any other function during a capture fails the capture.
 """
@@ -30,11 +30,13 @@ _state = threading.local()   # .record: the capture in progress on this thread
 
 
 def call(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` (a ctypes function of the kernel library), recorded while this thread captures."""
+    """`fn(*args)` (a ctypes function of the kernel library); while this thread
+    captures, recorded instead (a capture computes nothing: the replay does)."""
     record = getattr(_state, "record", None)
-    if record is not None:
-        record.append(encode(fn.__name__, args))
-    return fn(*args)
+    if record is None:
+        return fn(*args)
+    record.append(encode(fn.__name__, args))
+    return 0
 
 
 def encode(name: str, args: tuple) -> list[int]:
@@ -52,7 +54,8 @@ def encode(name: str, args: tuple) -> list[int]:
 
 @contextlib.contextmanager
 def record_calls() -> Iterator[list[list[int]]]:
-    """Collect every `call` this thread makes inside the block (not re-entrant)."""
+    """Collect every `call` this thread makes inside the block, without running
+    them (not re-entrant)."""
     if getattr(_state, "record", None) is not None:
         raise RuntimeError("a CPU graph capture is already in progress on this thread")
     _state.record = record = []

@@ -19,6 +19,7 @@ for every shape and row count (an error where it cannot run).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -185,6 +186,7 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
 
 
 # ---- the cached table -----------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def table_key(threads: int) -> str:
     """What the times depend on: CPU model and flags, threads, torch, the kernel library's build."""
     lib = kernels.paged_attention_kernel()
@@ -209,9 +211,17 @@ def shape_key(shape: tuple[int, int], hint: int) -> str:
     return f"{shape[0]}x{shape[1]}/hint{hint}"
 
 
+_parsed: dict[Path, tuple[tuple[int, int, int], dict]] = {}   # path -> (file stamp, table): one parse per change
+
+
 def _read(path: Path) -> dict:
+    """The table in `path` (a copy: callers may add to it), {} when missing or unreadable."""
     try:
-        return json.loads(path.read_text())
+        st = path.stat()
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)   # a write replaces the file: a new inode
+        if path not in _parsed or _parsed[path][0] != stamp:
+            _parsed[path] = (stamp, json.loads(path.read_text()))
+        return dict(_parsed[path][1])
     except (OSError, ValueError):
         return {}
 

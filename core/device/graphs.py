@@ -93,7 +93,9 @@ def graph_bucket_policy(config, max_size: int | None = None) -> BucketPolicy:
 # ---- graphs ----------------------------------------------------------------
 class GraphAPI:
     """How a device captures and replays a graph. `capture(fn, pool)` runs
-    `fn` under capture and returns `(replay, output)`."""
+    `fn` under capture and returns `(replay, output)`; as with CUDA graphs, the
+    output holds the step's result only after a `replay()` (a capture need not
+    compute it)."""
 
     name = "graph"
 
@@ -234,7 +236,7 @@ class StaticGraphExecutor(GraphExecutor):
         logger.info("%s: capturing %d decode graphs (batch sizes %s)", self.api.name, len(sizes), sizes)
         t0, free0 = time.perf_counter(), self.api.free_memory()
         self._pool = self.api.pool()
-        gc.collect()
+        gc.freeze()   # the heap so far is long-lived: no collection rescans it during captures (vLLM does so too)
         size = sizes[-1]
         try:
             for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
@@ -247,6 +249,7 @@ class StaticGraphExecutor(GraphExecutor):
             logger.warning("%s: %s; running every batch eagerly", self.api.name, self.disabled_reason)
         finally:
             self._capturing = None
+            gc.unfreeze()
             self.api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free0 - self.api.free_memory())

@@ -161,6 +161,23 @@ def check_checkpoint_shapes(folder: str | Path, cfg: HFDecoderConfig) -> None:
                              config, "num_hidden_layers")
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give each meta parameter and buffer of `model` uninitialised memory on `device`,
+    keeping shared (tied) parameters shared. `Module.to_empty` does the same through
+    torch's reference `empty_like`, whose first call imports sympy (~0.8 s of cold start)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    made[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
+                table[name] = made[id(t)]
+
+
 def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: Any,
                max_positions: int, dtype: torch.dtype, device: torch.device,
                prepare: Callable[[torch.nn.Module], Iterable[str]] | None = None, **parallel: Any) -> torch.nn.Module:
@@ -174,7 +191,7 @@ def load_model(folder: str | Path, model_cls: type, arch: DecoderArch, attn_op: 
         model = model_cls(arch, attn_op, max_positions, **parallel)   # tensor-parallel: shard, all_reduce
     for param in model.parameters():  # on meta: free; buffers (rotary tables) stay float32, like Hugging Face
         param.data = param.data.to(dtype)
-    model.to_empty(device=device)  # uninitialised memory: untouched until loaded
+    materialize(model, device)  # uninitialised memory: untouched until loaded
     for module in model.modules():  # recompute non-persistent buffers lost on the meta device
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()

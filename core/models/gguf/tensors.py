@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,11 @@ def _tensors(mm: mmap.mmap, src: Path, index: dict[str, Any], dtype: torch.dtype
         if name in skip:
             continue
         shape = tuple(t["shape"])
+        if t["type"] == "Q8_0" and not t.get("permute_heads"):   # e.g. a token embedding: the biggest tensor
+            raw = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"])
+            yield name, _dequantize_q8_0(raw, shape, dtype)
+            del raw
+            continue
         try:
             raw = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"])
             rows = shape[0] if len(shape) > 1 else 1
@@ -164,6 +170,16 @@ def _tensors(mm: mmap.mmap, src: Path, index: dict[str, Any], dtype: torch.dtype
             w = w.copy()
         yield name, torch.from_numpy(w).to(dtype)
         del raw, w   # the map can only close once no array views it
+
+
+def _dequantize_q8_0(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """GGML Q8_0 blocks (a float16 scale, then 32 int8 weights) as `dtype`: the same
+    values as gguf's numpy `dequantize`, in a few threaded torch ops (~3x faster)."""
+    with warnings.catch_warnings():   # the map is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(raw).view(-1, 34)
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()
+    return blocks[:, 2:].view(torch.int8).float().mul_(scale).view(shape).to(dtype)
 
 
 def _read_cache(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
