@@ -9,7 +9,8 @@ Two runs of the workload in one process, after a warm-up each:
 2. `enforce_eager` (every op called from Python, so each can be timed): inside prefill and decode
    steps, the time in the linears (`PackedLinear`/`QuantLinear`), in attention, and the rest
    (fused norms, rotary, SiLU, embedding). The decode split is that of eager steps; in run 1 the
-   same kernels run inside graph replays.
+   same kernels run inside graph replays; the replays of the smallest and largest graphs are
+   then timed kernel by kernel (`graphs.replay_profile`).
 Prints both tables with the CPU flags; environment variables (e.g. `POLYRUNNER_CPU_LINEAR=onednn`)
 apply as usual, so kernel choices can be compared run against run.
 """
@@ -70,15 +71,33 @@ def instrument(llm, clock: Clock, ops: bool) -> None:
             module.attn_op = clock.wrap(module.attn_op, "attention")
 
 
-def measure(eager: bool, workload: str, **options) -> tuple[float, dict[str, float]]:
+def measure(eager: bool, workload: str, **options) -> tuple[float, dict[str, float], str]:
     llm = make_llm(None, eager, **options)
     w = make_workload(workload)
     _generate(llm, w.prompts[:4], 8)   # warm-up
     clock = Clock()
     instrument(llm, clock, ops=eager)
     wall, _, _ = _generate(llm, w.prompts, w.max_tokens)
+    profile = "" if eager else replay_table(llm)
     llm.shutdown()
-    return wall, dict(clock.total)
+    return wall, dict(clock.total), profile
+
+
+def replay_table(llm, repeats: int = 20) -> str:
+    """Microseconds per kernel in replays of the smallest and largest CPU graphs, with the
+    context the last step left in the static inputs (`graphs.replay_profile`)."""
+    from polyrunner.backends.cpu import kernels
+    from polyrunner.backends.cpu.graphs import replay_profile
+    ex, lib = llm.engine.runner.executor, kernels.paged_attention_kernel()
+    graphs = getattr(ex, "graphs", {})
+    lines = []
+    for B in sorted({min(graphs), max(graphs)} if graphs else ()):
+        totals: dict[str, float] = defaultdict(float)
+        for name, args, us in replay_profile(lib, graphs[B].replay, repeats):
+            totals[name.removeprefix("pr_")] += us
+        lines.append(f"  graph {B:3d}: {sum(totals.values()):8.0f} us = " + ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))
+    return "\n".join(["replays (us per kernel, summed over layers):", *lines]) if lines else ""
 
 
 def table(title: str, wall: float, parts: dict[str, float]) -> str:
@@ -103,9 +122,10 @@ def main() -> int:
     ap.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"])
     args = ap.parse_args()
     print(format_host(host_info()))
-    wall, parts = measure(False, args.workload, dtype=args.dtype)
+    wall, parts, profile = measure(False, args.workload, dtype=args.dtype)
     print(table(f"{args.workload} as served (graphs)", wall, parts))
-    wall, parts = measure(True, args.workload, dtype=args.dtype)
+    print(profile)
+    wall, parts, _ = measure(True, args.workload, dtype=args.dtype)
     print(table(f"{args.workload} eager (per-op split)", wall, parts))
     return 0
 

@@ -122,6 +122,32 @@ def test_decode_attention_matches_reference(cpu_kernels, pool_threads, dtype, ct
     assert torch.equal(cache, cache_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.125, 1.0])
+def test_decode_attention_follows_growing_scores(cpu_kernels, pool_threads, dtype, scale):
+    """Scores that keep growing along the context (keys scaled up with their position) move the
+    softmax maximum again and again, by less and by more than the kernel's rescale threshold."""
+    from polyrunner.backends.cpu.attention import cpu_paged_attention
+    rng = np.random.default_rng(11)
+    g = torch.Generator().manual_seed(11)
+    ctx, bs = [700, 300, 33], 16
+    num_blocks = sum(-(-L // bs) for L in ctx) + 4
+    meta = _decode_batch(rng, ctx, bs, num_blocks)
+    R = len(ctx)
+    q = torch.randn(R, 9, 64, generator=g).to(dtype)
+    k, v = torch.randn(R, 3, 64, generator=g).to(dtype), torch.randn(R, 3, 64, generator=g).to(dtype)
+    cache = torch.randn(2, num_blocks, bs, 3, 64, generator=g)
+    for r, L in enumerate(ctx):
+        for pos in range(L):
+            cache[0, int(meta.block_tables[r, pos // bs]), pos % bs] *= 0.2 + 3 * pos / L
+    cache = cache.to(dtype)
+    spec = LayerSpec(9, 3, 64, scale, None)
+    expected, bound = attention_reference(q, k, v, cache.clone(), meta, spec)
+    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
+        got = cpu_paged_attention(q, k, v, cache, meta, spec)
+    assert_detects_errors(lambda out: assert_close_ulp(out, expected, dtype, ulps=1, abs_err=bound), got)
+
+
 def test_decode_attention_skips_padded_requests(cpu_kernels, pool_threads):
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)

@@ -51,6 +51,28 @@ def test_replay_recomputes_from_the_inputs_current_values(api):
         assert torch.equal(out, want)
 
 
+def test_a_capture_computes_nothing_until_replayed(api):
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    replay, out = api.capture(lambda: kernels.rms_norm_bf16(x, w, 1e-6), api.pool())
+    out.fill_(7)
+    assert (out == 7).all()                      # the capture only recorded the call
+    replay()
+    assert torch.equal(out, kernels.rms_norm_bf16(x, w, 1e-6))
+
+
+def test_replay_profile_times_each_recorded_call(api):
+    from polyrunner.backends.cpu.graphs import replay_profile
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    replay, out = api.capture(lambda: kernels.add_rms_norm_bf16(kernels.rms_norm_bf16(x, w, 1e-6), x, w, 1e-6)[0],
+                              api.pool())
+    profile = replay_profile(lib, replay, repeats=3)
+    assert [name for name, _, _ in profile] == ["pr_rms_norm_bf16", "pr_add_rms_norm_bf16"]
+    assert all(us > 0 for _, _, us in profile) and profile[0][1][5] == 8   # T, as recorded
+    assert torch.equal(out, kernels.add_rms_norm_bf16(kernels.rms_norm_bf16(x, w, 1e-6), x, w, 1e-6)[0])
+
+
 @pytest.mark.parametrize("op", ["add", "matmul", "copy"])
 def test_unreplayable_torch_ops_fail_the_capture_by_name(api, op):
     x = torch.randn(4, 8)

@@ -5,6 +5,7 @@ selection against the exact product (each runs where this CPU has it)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -177,5 +178,8 @@ def test_times_taken_under_load_are_used_but_not_cached(monkeypatch, tmp_path, c
 
 def test_busy_elsewhere_counts_other_processes_cores():
     from polyrunner.backends.cpu.threads import busy_elsewhere
-    assert busy_elsewhere((0.0, 10.0, 1.0), (2.0, 14.0, 2.0)) == 1.5    # 4 busy CPU-s, 1 ours, over 2 s
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    # 4 busy CPU-s, 1 ours, over 2 s: 1.5 cores, less two ticks of counter rounding
+    assert busy_elsewhere((0.0, 10.0, 1.0), (2.0, 14.0, 2.0)) == pytest.approx(1.5 - tick)
+    assert busy_elsewhere((0.0, 10.0, 1.0), (0.03, 10.0 + 2 * tick, 1.0)) == 0.0   # two ticks in 30 ms: rounding
     assert busy_elsewhere(None, (1.0, 2.0, 3.0)) == 0.0

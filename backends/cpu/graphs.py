@@ -112,6 +112,17 @@ class _Vet(TorchDispatchMode):
         return out
 
 
+def replay_profile(lib: ctypes.CDLL, replay: Callable[[], None], repeats: int = 20) -> list[tuple[str, list[int], float]]:
+    """A diagnostic: `(kernel name, its recorded arguments, mean microseconds)` for each
+    call of a captured graph (`replay`, from `CPUGraphAPI.capture`), over `repeats` replays."""
+    records = replay.records
+    ns = np.zeros(len(records), dtype=np.int64)
+    for _ in range(repeats):
+        if lib.pr_replay_timed(records.ctypes.data, len(records), ns.ctypes.data):
+            raise RuntimeError("CPU graph replay reported an error")
+    return [(REPLAYABLE[int(r[0]) - 1], r[1:].tolist(), t / repeats / 1e3) for r, t in zip(records, ns)]
+
+
 class CPUGraphAPI(GraphAPI):
     """`StaticGraphExecutor`'s graph API for the CPU kernels (`lib`: the kernel library)."""
 
@@ -140,6 +151,7 @@ class CPUGraphAPI(GraphAPI):
                 name = REPLAYABLE[int(records[failed - 1, 0]) - 1]
                 raise RuntimeError(f"CPU graph replay: call {failed} of {n} ({name}) reported an error")
 
+        replay.records = records   # for replay_profile
         return replay, out
 
     def free_memory(self) -> int:

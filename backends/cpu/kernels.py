@@ -215,6 +215,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
     lib.pr_replay.restype = i64
     lib.pr_replay.argtypes = [ptr, i64]
+    lib.pr_replay_timed.restype = i64
+    lib.pr_replay_timed.argtypes = [ptr, i64, ptr]
     lib.pr_replay_kernel_name.restype = ctypes.c_char_p
     lib.pr_replay_kernel_name.argtypes = [ctypes.c_int]
     return lib

@@ -366,10 +366,16 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
 
 #ifdef PR_BF16_DOT
 // The same for bfloat16 with D = 32 * NC, 16 keys at a time on AVX512-BF16; V rows
-// are widened once per key for all G heads.
+// are widened once per key for all G heads. The softmax reference m[g] moves only when
+// a score exceeds it by more than RESCALE (then acc and the sums are rescaled): most
+// chunks skip the horizontal max, the scalar exp and the rescale, whose serial chain
+// cost more than the chunk's products. exp(s - m) <= e^RESCALE stays far from fp32's
+// range. Row sums are kept as 16 lanes (`lv`, 16 floats per row), added up at the end.
+constexpr float RESCALE = 8.f;
+
 template <int NC>
 inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t ja,
-                              int64_t jb, int64_t G, float scale, float* m, float* l, float* acc,
+                              int64_t jb, int64_t G, float scale, float* m, float* lv, float* acc,
                               const uint16_t* next_k, const uint16_t* next_v) {
   constexpr int D = 32 * NC, NV = 2 * NC;
   for (int64_t c0 = ja - ja % 16; c0 < jb; c0 += 16) {
@@ -379,19 +385,25 @@ inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16
     float corr[16];
     for (int64_t g = 0; g < G; ++g) {
       const __m512 s = scores16<NC>(q + g * D, k + c0 * row, row, a, b, scale);
-      const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
-      corr[g] = fast_exp(m[g] - mx);
-      m[g] = mx;
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-      l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+      corr[g] = 1.f;
+      if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m[g] + RESCALE), _CMP_GT_OQ)) {
+        const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
+        corr[g] = fast_exp(m[g] - mx);
+        m[g] = mx;
+        _mm512_storeu_ps(lv + 16 * g, _mm512_mul_ps(_mm512_loadu_ps(lv + 16 * g), _mm512_set1_ps(corr[g])));
+      }
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[g]))));
+      _mm512_storeu_ps(lv + 16 * g, _mm512_add_ps(_mm512_loadu_ps(lv + 16 * g), e));
       _mm512_store_ps(p[g], e);
     }
     for (int64_t g0 = 0; g0 < G; g0 += 4) {  // 4 heads x NV vectors of accumulators in registers
       const int64_t ng = std::min<int64_t>(4, G - g0);
       __m512 o[4][NV];
       for (int64_t g = 0; g < ng; ++g)
-        for (int i = 0; i < NV; ++i)
-          o[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g0 + g) * D + 16 * i), _mm512_set1_ps(corr[g0 + g]));
+        for (int i = 0; i < NV; ++i) {
+          o[g][i] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * i);
+          if (corr[g0 + g] != 1.f) o[g][i] = _mm512_mul_ps(o[g][i], _mm512_set1_ps(corr[g0 + g]));
+        }
       for (int64_t j = a; j < b; ++j) {
         if (next_k != nullptr && g0 == 0)  // the same row of the next block, spread over the keys
           for (int e = 0; e < D * 2; e += 64) {
@@ -427,6 +439,8 @@ void decode_item(void* ctx, int64_t idx, int) {
   std::fill(l, l + nh * G, 0.f);
 #ifdef PR_BF16_DOT
   const bool bf16_dot = std::is_same<T, uint16_t>::value && (D == 64 || D == 128);
+  alignas(64) float lv[DEC_MAX_GD / 32 * 16];  // the bfloat16 path's row sums, 16 lanes per row
+  if (bf16_dot) std::fill(lv, lv + nh * G * 16, 0.f);
 #else
   const bool bf16_dot = false;
 #endif
@@ -454,14 +468,19 @@ void decode_item(void* ctx, int64_t idx, int) {
         const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
         const uint16_t* nk = has_next ? reinterpret_cast<const uint16_t*>(c.kc + noff + h * D) : nullptr;
         const uint16_t* nv = has_next ? reinterpret_cast<const uint16_t*>(c.vc + noff + h * D) : nullptr;
-        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah, nk, nv);
-        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lh, ah, nk, nv);
+        float* lvh = lv + h * G * 16;
+        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, nk, nv);
+        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, nk, nv);
         continue;
       }
 #endif
       decode_block<T>(qh, kb, vb, row, ja, jb, G, D, c.scale, mh, lh, ah);
     }
   }
+#ifdef PR_BF16_DOT
+  if (bf16_dot)
+    for (int64_t g = 0; g < nh * G; ++g) l[g] = _mm512_reduce_add_ps(_mm512_load_ps(lv + 16 * g));
+#endif
   if (it.part < 0) {  // the whole context: normalise into out
     for (int64_t g = 0; g < nh * G; ++g) {
       const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;

@@ -98,7 +98,10 @@ def cpu_sample() -> tuple[float, float, float] | None:
 
 
 def busy_elsewhere(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> float:
-    """Cores other processes kept busy on average between two `cpu_sample`s (0.0 when unknown)."""
+    """Cores other processes kept busy on average between two `cpu_sample`s (0.0 when unknown):
+    a lower bound, as both counters tick in 1/CLK_TCK s (two ticks of their difference may be
+    rounding; over a 30 ms window that alone would read as 0.7 cores)."""
     if start is None or end is None or end[0] <= start[0]:
         return 0.0
-    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0])
+    rounding = 2 / os.sysconf("SC_CLK_TCK")
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2]) - rounding) / (end[0] - start[0])
