@@ -229,6 +229,10 @@ inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> 32 values: low nib
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Weight bytes fetched ahead of the block being computed: the rows stream through
+// memory once per step, and a hardware prefetcher stops at each 4 KiB page.
+constexpr int64_t PF_BYTES = 3072;
+
 template <int ISA, int QT, int MB>
 void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
   __m256 acc[MB];
@@ -265,6 +269,7 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
   } else {
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = w + b * block_bytes(QT);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PF_BYTES), _MM_HINT_T0);
       const float d = h2f(blk);
       if (QT == Q8_0) {
         const __m256i wq = load32(reinterpret_cast<const int8_t*>(blk + 2));
@@ -387,6 +392,7 @@ void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = gp + b * bb;
+    for (int64_t e = 0; e < bb; e += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES + e), _MM_HINT_T0);
     __m256i lo[4], hi[4];
     for (int k = 0; k < 4; ++k) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
