@@ -1,6 +1,6 @@
 """Where W1's time goes on the CPU backend: prefill linears, decode linears, attention, the rest.
 
-    .venv/bin/python benchmarks/w1_breakdown.py [--dtype bfloat16] [--workload w1]
+    .venv/bin/python benchmarks/w1_breakdown.py [--dtype bfloat16|quantized] [--workload w1]
 
 Two runs of the workload in one process, after a warm-up each:
 1. as served (CPU graphs on): wall time split into steps with prompt tokens ("prefill": prefill
@@ -118,14 +118,16 @@ def table(title: str, wall: float, parts: dict[str, float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help='"quantized": the GGUF blocks as they are (what `LLM()` runs by default)')
     ap.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"])
     args = ap.parse_args()
     print(format_host(host_info()))
-    wall, parts, profile = measure(False, args.workload, dtype=args.dtype)
+    options = {} if args.dtype == "quantized" else {"dtype": args.dtype}
+    wall, parts, profile = measure(False, args.workload, **options)
     print(table(f"{args.workload} as served (graphs)", wall, parts))
     print(profile)
-    wall, parts, _ = measure(True, args.workload, dtype=args.dtype)
+    wall, parts, _ = measure(True, args.workload, **options)
     print(table(f"{args.workload} eager (per-op split)", wall, parts))
     return 0
 

@@ -36,6 +36,10 @@ def test_amx_linear_strided_rows_and_declines() -> None:
     assert kernels.amx_pack_bf16(torch.randn(32, 40, generator=g).to(torch.bfloat16)) is None  # K % 32
     big = torch.randn(77, 192, generator=g).to(torch.bfloat16)[:, 64:128]  # prefill-sized, strided, 13-row tail
     assert_linear_close(kernels.amx_linear_bf16(big, kernels.amx_pack_bf16(w), 32), big, w)
+    flat = torch.randn(40 * 65 + 1, generator=g).to(torch.bfloat16)
+    odd = flat[1:].view(40, 65)[:, :64]   # not 64-byte aligned (offset 2 bytes, stride 130): copied whole
+    assert odd.data_ptr() % 64 and odd.stride(0) == 65
+    assert_linear_close(kernels.amx_linear_bf16(odd, kernels.amx_pack_bf16(w), 32), odd, w)
     assert kernels.amx_linear_bf16(x.float(), kernels.amx_pack_bf16(w), 32) is None   # not bfloat16
 
 
@@ -120,3 +124,41 @@ def test_decoder_layers_return_output_and_residual() -> None:
     out, res = norm.forward_add(x, residual)
     assert torch.equal(res, x + residual)
     assert torch.equal(out, norm(x + residual))
+
+
+@pytest.mark.parametrize("T", [7, 64, 300])
+def test_fused_elementwise_kernels_split_rows_on_the_pool(cpu_kernels, T: int) -> None:
+    """RMSNorm, residual add + RMSNorm, SiLU * up and rotary split their rows between threads:
+    on OpenMP's team (prefill steps) or on the kernel pool when torch has one thread (decode-sized
+    steps, `thread_pool.h` `for_rows`). Rows are independent, so every split gives one thread's bits."""
+    from polyrunner.models.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(T)
+    H, I, Hq, Hk, D = 576, 1536, 9, 3, 64
+    x, res = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
+    gate_up = (torch.randn(T, 2 * I, generator=g) * 2).to(torch.bfloat16)
+    qk = torch.randn(T, Hq + Hk, D, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 2048, (T,), generator=g)
+    rotary = RotaryEmbedding(D, 2048, 10000.0, None)
+    cos, sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
+
+    def run() -> list[torch.Tensor]:
+        q, k = qk[:, :Hq].clone(), qk[:, Hq:].clone()
+        outs = [kernels.rms_norm_bf16(x, w, 1e-5), *kernels.add_rms_norm_bf16(x, res, w, 1e-5),
+                kernels.silu_mul_bf16(gate_up)]
+        kernels.rotary_bf16_(positions, q, k, cos, sin)
+        return [*outs, q, k]
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        kernels.start_pool(1)
+        serial = run()
+        kernels.start_pool(2)            # decode-sized steps: the pool splits the rows
+        pooled = run()
+        torch.set_num_threads(2)         # prefill steps: OpenMP's team does
+        team = run()
+    finally:
+        torch.set_num_threads(saved)
+    for a, b, c in zip(serial, pooled, team):
+        assert torch.equal(a, b) and torch.equal(a, c)

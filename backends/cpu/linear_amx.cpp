@@ -5,8 +5,9 @@
 // B tiles wide) over every row: for each panel of 32 rows it runs the whole K
 // with 2 x 2 tiles of sums, so the task's weight tiles are read from memory once
 // (decode: one panel) and from cache by the later panels (prefill). A tiles are
-// loaded straight from x with its row stride; only a last block of fewer than 16
-// rows is copied into a zero-padded buffer. Tasks are shared out in chunks
+// loaded straight from x with its row stride (the graphs' and torch's buffers are
+// 64-byte aligned); only a last block of fewer than 16 rows, or an x that is not
+// aligned, is copied into a zero-padded, aligned buffer. Tasks are shared out in chunks
 // through `thread_pool.cpp` (a thread descheduled on a shared host delays only
 // the chunk it holds), each chunk configuring the tiles on its own thread.
 //
@@ -63,21 +64,21 @@ namespace {
 struct Call {
   const uint16_t* x;
   int64_t x_ts;           // x's row stride (elements)
-  const uint16_t* tail;   // rows [full, M) of x padded with zeros to 16 rows, row stride K
+  const uint16_t* tail;   // rows [full, M) of x padded with zeros to whole 16-row blocks, row stride K
   int64_t full;           // rows in whole 16-row blocks
   const uint16_t* wp;
   uint16_t* y;
   int64_t y_ts, M, nnb, nkb, per_chunk;
 };
 
-// The A tile source for rows m0..m0+15: x itself, or the padded tail.
+// The A tile source for rows m0..m0+15: x itself, or the aligned copy.
 inline const uint16_t* rows_at(const Call& c, int64_t m0, int64_t& stride_bytes) {
   if (m0 < c.full) {
     stride_bytes = c.x_ts * 2;
     return c.x + m0 * c.x_ts;
   }
   stride_bytes = c.nkb * 64;
-  return c.tail;
+  return c.tail + (m0 - c.full) * c.nkb * 32;
 }
 
 // The 16 x 16 floats of a C tile (rows m0.., features n0..) -> bfloat16 y, rows < M only.
@@ -155,13 +156,20 @@ int pr_amx_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, uint
                        int64_t M, int64_t N, int64_t K) {
 #ifdef PR_AMX
   if (M < 1 || N % 16 || K % 32) return 1;
-  const int64_t full = M / 16 * 16;
-  thread_local std::vector<uint16_t> tail;  // the caller's padded last rows (reused: no allocation per call)
+  // Rows [full, M) are copied into a reused (no allocation per call), zero-padded, 64-byte aligned
+  // buffer: the last block of fewer than 16 rows, or all of x when x is not aligned; a tile load
+  // whose rows straddle cache lines is ~6x slower (2.2 vs 14.5 ns per 1 KiB tile, Xeon AMX).
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 64 == 0 && x_ts % 32 == 0;
+  const int64_t full = aligned ? M / 16 * 16 : 0;
+  thread_local std::vector<uint16_t> tail_buf;
+  uint16_t* tail = nullptr;
   if (full < M) {
-    tail.assign(size_t(16 * K), 0);
-    for (int64_t m = full; m < M; ++m) std::memcpy(tail.data() + (m - full) * K, x + m * x_ts, size_t(K) * 2);
+    const int64_t rows = (M - full + 15) / 16 * 16;
+    tail_buf.assign(size_t(rows * K + 32), 0);
+    tail = tail_buf.data() + (64 - reinterpret_cast<uintptr_t>(tail_buf.data()) % 64) % 64 / 2;
+    for (int64_t m = full; m < M; ++m) std::memcpy(tail + (m - full) * K, x + m * x_ts, size_t(K) * 2);
   }
-  Call c{x, x_ts, tail.data(), full, wp, y, y_ts, M, N / 16, K / 32, 0};
+  Call c{x, x_ts, tail, full, wp, y, y_ts, M, N / 16, K / 32, 0};
   const int64_t ntasks = (c.nnb + 1) / 2;
   const int64_t threads = N * K >= 65536 ? pr::pool_helpers() + 1 : 1;
   c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (4 * threads)) : ntasks;

@@ -665,48 +665,51 @@ extern "C" {
 // out[t] = RMSNorm(x[t]), x/out rows of H bfloat16 (row strides given).
 void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
                       int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T * H >= 16384)
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(x + t * x_ts, w, out + t * o_ts, H, eps);
+  pr::for_rows(T, T * H >= 16384, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) rms_norm_row(x + t * x_ts, w, out + t * o_ts, H, eps);
+  });
 }
 
 // r[t] = bf16(x[t] + res[t]); out[t] = RMSNorm(r[t]) (rows of H, all row-contiguous).
 void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* r_out,
                           uint16_t* out, int64_t T, int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (T * H >= 16384)
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* xr = x + t * H;
-    const uint16_t* rr = res + t * H;
-    uint16_t* ro = r_out + t * H;
-    int64_t d = 0;
+  pr::for_rows(T, T * H >= 16384, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* xr = x + t * H;
+      const uint16_t* rr = res + t * H;
+      uint16_t* ro = r_out + t * H;
+      int64_t d = 0;
 #ifdef PR_BF16_DOT
-    for (; d + 16 <= H; d += 16) st16(ro + d, _mm512_add_ps(ld16(xr + d), ld16(rr + d)));
+      for (; d + 16 <= H; d += 16) st16(ro + d, _mm512_add_ps(ld16(xr + d), ld16(rr + d)));
 #endif
-    for (; d < H; ++d) st(ro + d, ld(xr[d]) + ld(rr[d]));
-    rms_norm_row(ro, w, out + t * H, H, eps);  // the row is still in L1
-  }
+      for (; d < H; ++d) st(ro + d, ld(xr[d]) + ld(rr[d]));
+      rms_norm_row(ro, w, out + t * H, H, eps);  // the row is still in L1
+    }
+  });
 }
 
 // out[t] = bf16(silu(gate[t])) * up[t] where gate/up are the halves of gu[t] (2 * I wide).
 void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o_ts, int64_t T, int64_t I) {
-#pragma omp parallel for schedule(static) if (T * I >= 65536)
-  for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* g = gu + t * g_ts;
-    const uint16_t* u = g + I;
-    uint16_t* o = out + t * o_ts;
-    int64_t d0 = 0;
+  pr::for_rows(T, T * I >= 16384, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* g = gu + t * g_ts;
+      const uint16_t* u = g + I;
+      uint16_t* o = out + t * o_ts;
+      int64_t d0 = 0;
 #ifdef PR_BF16_DOT
-    for (; d0 + 16 <= I; d0 += 16) {  // same math as the scalar loop, 16 lanes at a time
-      const __m512 a = ld16(g + d0);
-      const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(88.f)));
-      const __m512 sl = rnd16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      st16(o + d0, _mm512_mul_ps(sl, ld16(u + d0)));
-    }
+      for (; d0 + 16 <= I; d0 += 16) {  // same math as the scalar loop, 16 lanes at a time
+        const __m512 a = ld16(g + d0);
+        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(88.f)));
+        const __m512 sl = rnd16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        st16(o + d0, _mm512_mul_ps(sl, ld16(u + d0)));
+      }
 #endif
-    for (int64_t d = d0; d < I; ++d) {
-      const float a = ld(g[d]);
-      st(o + d, rnd(a / (1.f + fast_exp(-a))) * ld(u[d]));
+      for (int64_t d = d0; d < I; ++d) {
+        const float a = ld(g[d]);
+        st(o + d, rnd(a / (1.f + fast_exp(-a))) * ld(u[d]));
+      }
     }
-  }
+  });
 }
 }
 
@@ -717,24 +720,25 @@ extern "C" {
 void pr_rotary_bf16(uint16_t* q, int64_t q_ts, int64_t Hq, uint16_t* k, int64_t k_ts, int64_t Hk,
                     const int64_t* pos, const float* cos, const float* sin, int64_t T, int64_t D) {
   const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (T >= 64)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cos + pos[t] * D;
-    const float* s = sin + pos[t] * D;
-    float cb[512], sb[512];
-    for (int64_t d = 0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
-    for (int which = 0; which < 2; ++which) {
-      uint16_t* base = which == 0 ? q + t * q_ts : k + t * k_ts;
-      const int64_t H = which == 0 ? Hq : Hk;
-      for (int64_t h = 0; h < H; ++h) {
-        uint16_t* x = base + h * D;
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = ld(x[d]), b = ld(x[d + half]);
-          st(x + d, rnd(a * cb[d]) + rnd(-b * sb[d]));
-          st(x + d + half, rnd(b * cb[d + half]) + rnd(a * sb[d + half]));
+  pr::for_rows(T, T * (Hq + Hk) * D >= 16384, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cos + pos[t] * D;
+      const float* s = sin + pos[t] * D;
+      float cb[512], sb[512];
+      for (int64_t d = 0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
+      for (int which = 0; which < 2; ++which) {
+        uint16_t* base = which == 0 ? q + t * q_ts : k + t * k_ts;
+        const int64_t H = which == 0 ? Hq : Hk;
+        for (int64_t h = 0; h < H; ++h) {
+          uint16_t* x = base + h * D;
+          for (int64_t d = 0; d < half; ++d) {
+            const float a = ld(x[d]), b = ld(x[d + half]);
+            st(x + d, rnd(a * cb[d]) + rnd(-b * sb[d]));
+            st(x + d + half, rnd(b * cb[d + half]) + rnd(a * sb[d + half]));
+          }
         }
       }
     }
-  }
+  });
 }
 }
