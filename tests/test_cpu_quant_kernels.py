@@ -100,7 +100,7 @@ def test_kernel_within_activation_rounding_of_the_dequantised_reference(variant,
     layouts = [(torch.from_numpy(blocks), False)]
     if ql.r8_supported(qtype, (N, K), isa, lib):
         layouts.append((ql.repack8(qtype, layouts[0][0], K, lib), True))
-    elif qtype != "Q8_0" and isa != "scalar":
+    elif isa != "scalar" and (qtype != "Q8_0" or isa in ("avxvnni", "avx512vnni")):
         pytest.fail(f"{qtype} on {isa} should run the r8 layout")
     for M in (1, 2, 3, 4, 5, 9):      # every register tile size, and tails
         x = activations(rng, M, K)
@@ -157,7 +157,7 @@ def test_quant_linear_module_decode_and_prefill_paths(qtype):
     blocks = torch.from_numpy(random_blocks(rng, qtype, N, K))
     bias = torch.randn(N, generator=g)
     mod = ql.QuantLinear(qtype, blocks, (N, K), bias)
-    assert mod.r8 == (qtype != "Q8_0" and mod.isa != "scalar")
+    assert mod.r8 == (mod.isa != "scalar" and (qtype != "Q8_0" or ql.default_isa() in ("avxvnni", "avx512vnni")))
     for M in (1, ql.PREFILL_ROWS, ql.PREFILL_ROWS + 1, 100):   # integer kernel; dequantised dense matmul
         x = torch.randn(M, K, generator=g)
         ref, bound = reference(qtype, blocks.numpy(), x.double().numpy())

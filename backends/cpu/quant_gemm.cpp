@@ -21,7 +21,11 @@
 // 16+4k..16+4k+3 in the high ones), then the 8 rows' scales d and offsets m (w = d q + m; float16
 // for Q4_0/Q4_1, exact; float32 for Q4_K, whose d * sc and -dmin * mn float16 cannot hold). One
 // vector op then serves 8 output rows (scales in lanes, activations broadcast), instead of a
-// horizontal sum per row: about a third of the instructions per weight.
+// horizontal sum per row: about a third of the instructions per weight. Q8_0 (the LM head of
+// the usual GGUF files) has an r8 layout too, on the VNNI paths: per group and block, 256 bytes
+// (32-bit lane r of vector k: row r's weights 4k..4k+3, each + 128, so unsigned for `vpdpbusd`;
+// the dot's excess, 128 * sum(x), is taken off in integers), then the 8 rows' float16 d.
+// `maddubs` (AVX2) would saturate on 255 * 127 * 2, so the AVX2 path keeps the GGUF layout.
 // No AMX-INT8 path: not written (no AMX on the machines it is tested on).
 // Threads: output rows are split into chunks run by the decode kernels' work-sharing pool
 // (`thread_pool.cpp`: a helper whose core another process holds cannot stall the call; inline
@@ -122,14 +126,15 @@ inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* mn) {
   }
 }
 
-// One activation row quantized: q[K] int8, per block of 32 its scale d and d * sum(q).
+// One activation row quantized: q[K] int8, per block of 32 its scale d, d * sum(q) and sum(q).
 struct QRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* qsum;  // per block: sum(q)
 };
 
-void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, float* s) {
+void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
   float v[32];
   for (int64_t b = 0; b < K / 32; ++b) {
     float amax = 0.f;
@@ -146,6 +151,7 @@ void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, float
     }
     d[b] = scale;
     s[b] = scale * (float)sum;
+    qsum[b] = sum;
   }
 }
 
@@ -319,7 +325,7 @@ void decode4(int qt, const uint8_t* row, int64_t b, uint8_t* q, float* d, float*
 }
 
 inline bool r8_f32_scales(int qt) { return qt == Q4_K; }
-inline int64_t r8_block_bytes(int qt) { return 128 + 16 * (r8_f32_scales(qt) ? 4 : 2); }
+inline int64_t r8_block_bytes(int qt) { return qt == Q8_0 ? 256 + 16 : 128 + 16 * (r8_f32_scales(qt) ? 4 : 2); }
 
 inline void put_scale(uint8_t* p, float v, bool f32) {
   if (f32) {
@@ -409,10 +415,54 @@ void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
+#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
+template <int ISA>
+inline __m256i dpbusd8(__m256i s, __m256i u, __m256i x) {
+#if defined(PRQ_AVX512VNNI)
+  if (ISA == AVX512VNNI) return _mm256_dpbusd_epi32(s, u, x);
+#endif
+#if defined(PRQ_AVXVNNI)
+  return _mm256_dpbusd_avx_epi32(s, u, x);
+#else
+  return _mm256_dpbusd_epi32(s, u, x);
+#endif
+}
+
+// group8 for Q8_0's r8 blocks (w + 128 as unsigned bytes; the 8 rows' d after them).
+template <int ISA, int MB>
+void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = gp + b * (256 + 16);
+    for (int64_t e = 0; e < 256 + 16; e += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES + e), _MM_HINT_T0);
+    __m256i s[MB];
+    for (int m = 0; m < MB; ++m) s[m] = _mm256_set1_epi32(-128 * a[m].qsum[b]);  // the + 128's excess
+    for (int k = 0; k < 8; ++k) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
+      for (int m = 0; m < MB; ++m) s[m] = dpbusd8<ISA>(s[m], w, bcast4(a[m].q + b * 32 + 4 * k));
+    }
+    const __m256 d = load_scales(p + 256, false);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(s[m]), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out[m], acc[m]);
+}
+#endif
+
 using GroupFn = void (*)(const uint8_t*, int64_t, bool, const QRow*, float (*)[8]);
 
 template <int MB>
-GroupFn pick_group_mb(int isa) {
+GroupFn pick_group_mb(int isa, int qt) {
+  if (qt == Q8_0) {  // VNNI only (see the layout note at the top)
+#ifdef PRQ_AVX512VNNI
+    if (isa == AVX512VNNI) return group8_q8<AVX512VNNI, MB>;
+#endif
+#ifdef PRQ_AVXVNNI
+    if (isa == AVXVNNI) return group8_q8<AVXVNNI, MB>;
+#endif
+    return nullptr;
+  }
   switch (isa) {
 #ifdef PRQ_AVX512VNNI
     case AVX512VNNI: return group8<AVX512VNNI, MB>;
@@ -425,12 +475,12 @@ GroupFn pick_group_mb(int isa) {
   return nullptr;
 }
 
-GroupFn pick_group(int isa, int mb) {
+GroupFn pick_group(int isa, int mb, int qt) {
   switch (mb) {
-    case 1: return pick_group_mb<1>(isa);
-    case 2: return pick_group_mb<2>(isa);
-    case 3: return pick_group_mb<3>(isa);
-    case 4: return pick_group_mb<4>(isa);
+    case 1: return pick_group_mb<1>(isa, qt);
+    case 2: return pick_group_mb<2>(isa, qt);
+    case 3: return pick_group_mb<3>(isa, qt);
+    case 4: return pick_group_mb<4>(isa, qt);
   }
   return nullptr;
 }
@@ -555,7 +605,7 @@ void run_chunk(void* ctx, int64_t chunk, int) {
       float out[MB_MAX][8];
       for (int64_t m0 = 0; m0 < c.M; m0 += MB_MAX) {
         const int mb = (int)(c.M - m0 < MB_MAX ? c.M - m0 : MB_MAX);
-        pick_group(c.isa, mb)(c.w + g * gbytes, nb, f32, c.rows + m0, out);
+        pick_group(c.isa, mb, c.qt)(c.w + g * gbytes, nb, f32, c.rows + m0, out);
         for (int i = 0; i < mb; ++i)
           for (int r = 0; r < 8; ++r) store(c.y, c.y_bf16, (m0 + i) * c.ldy + g * 8 + r, out[i][r]);
       }
@@ -581,11 +631,12 @@ void linear(Call c, const void* x, int64_t ldx, int x_bf16) {
   const int64_t nb = c.K / 32;
   std::vector<int8_t> q(c.M * c.K);
   std::vector<float> ds(2 * c.M * nb);
+  std::vector<int32_t> sums(c.M * nb);
   std::vector<QRow> rows(c.M);
   for (int64_t m = 0; m < c.M; ++m) {
-    rows[m] = {q.data() + m * c.K, ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb};
+    rows[m] = {q.data() + m * c.K, ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb, sums.data() + m * nb};
     quantize_row(static_cast<const char*>(x) + m * ldx * (x_bf16 ? 2 : 4), x_bf16, c.K, q.data() + m * c.K,
-                 ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb);
+                 ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb, sums.data() + m * nb);
   }
   c.rows = rows.data();
   const int64_t units = c.r8 ? c.N / 8 : c.N;
@@ -639,6 +690,7 @@ int pr_quant_dequantize(int qt, const uint8_t* w, int64_t N, int64_t K, void* ou
 // 1 when `qt` can be repacked into the r8 layout and this build has a path for it (AVX2 at least).
 int pr_quant_r8_supported(int qt) {
 #ifdef PRQ_AVX2
+  if (qt == Q8_0) return isa_compiled(AVXVNNI) || isa_compiled(AVX512VNNI);
   return qt == Q4_0 || qt == Q4_1 || qt == Q4_K;
 #else
   (void)qt;
@@ -659,6 +711,15 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
   for (int64_t g = 0; g < N / 8; ++g)  // one thread: ~1 ms per million weights, and no barrier to stall on
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* p = out + (g * nb + b) * bb;
+      if (qt == Q8_0) {
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* blk = w + (g * 8 + r) * row_bytes + b * 34;
+          for (int k = 0; k < 8; ++k)
+            for (int i = 0; i < 4; ++i) p[32 * k + 4 * r + i] = uint8_t(blk[2 + 4 * k + i] ^ 0x80);  // w + 128
+          std::memcpy(p + 256 + 2 * r, blk, 2);  // d, float16 as it is
+        }
+        continue;
+      }
       for (int r = 0; r < 8; ++r) {
         uint8_t q[32];
         float d, m;
@@ -675,7 +736,7 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
 // pr_quant_linear for W in the r8 layout of type qt (isa: 1..3). Same returns.
 int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void* x, int64_t ldx, int x_bf16,
                      int64_t M, void* y, int64_t ldy, int y_bf16, int isa) {
-  if (!pr_quant_r8_supported(qt) || isa == SCALAR || !isa_compiled(isa)) return 1;
+  if (!pr_quant_r8_supported(qt) || isa == SCALAR || !isa_compiled(isa) || (qt == Q8_0 && isa == AVX2)) return 1;
   if (N % 8 || K % 32) return 2;
   linear(Call{w8, N, K, M, ldy, 0, nullptr, y, y_bf16, qt, isa, true}, x, ldx, x_bf16);
   return 0;
@@ -692,6 +753,15 @@ int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* 
   for (int64_t g = 0; g < N / 8; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = w8 + (g * nb + b) * bb;
+      if (qt == Q8_0) {
+        for (int r = 0; r < 8; ++r) {
+          const float d = h2f(p + 256 + 2 * r);
+          for (int k = 0; k < 8; ++k)
+            for (int i = 0; i < 4; ++i)
+              store(out, out_bf16, (g * 8 + r) * K + b * 32 + 4 * k + i, d * float(int(p[32 * k + 4 * r + i]) - 128));
+        }
+        continue;
+      }
       for (int r = 0; r < 8; ++r) {
         const float d = get_scale(p + 128 + r * ss, f32), m = get_scale(p + 128 + 8 * ss + r * ss, f32);
         float v[32];

@@ -10,8 +10,10 @@ quantizes its input per row to int8 blocks of 32 on every call, so a decode
 step streams the quantized weights once with integer dot products. The 4-bit
 types are repacked at load into the kernel's row-interleaved "r8" layout (8
 output rows per vector; 20 bytes per 32 weights with float16 scales for
-Q4_0/Q4_1, 24 with Q4_K's float32 ones); Q8_0 and the scalar path run the GGUF
-blocks as they are. A step of more than `PREFILL_ROWS` rows is compute-bound
+Q4_0/Q4_1, 24 with Q4_K's float32 ones), and so is Q8_0 where the path has
+VNNI (34 bytes, as in GGUF; a 49152 x 576 LM head on one Xeon AMX core: 2.76 ->
+1.12 ms at 4 rows, 1.05 ms at 1 row either way, where the weight stream is the
+bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step of more than `PREFILL_ROWS` rows is compute-bound
 instead: it dequantises the weight into the input's dtype and runs the dense
 matmul (oneDNN), faster there (measured on Zen 4, one thread: the r8 kernel
 wins up to ~40 rows: for a 3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows,
@@ -108,7 +110,8 @@ def measured_isa(qtype: str, blocks: torch.Tensor, shape: tuple[int, int], r8: b
     (`MEASURE_ROWS`, summed), timed once per machine (the linear kernels' table, `kernel_table.cached`,
     one thread: it runs before the engine starts its pool); the only one when there is one."""
     lib = library(lib)
-    isas = [i for i in ISAS if isa_unavailable_reason(i, lib) is None and i != "scalar"]   # scalar: the fallback
+    isas = [i for i in ISAS if isa_unavailable_reason(i, lib) is None and i != "scalar"   # scalar: the fallback
+            and (not r8 or r8_supported(qtype, shape, i, lib))]
     if len(isas) <= 1:
         return isas[0] if isas else default_isa(lib)
 
@@ -135,8 +138,10 @@ def _check(rc: int, what: str) -> None:
 
 
 def r8_supported(qtype: str, shape: tuple[int, int], isa: str, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether a `shape` weight of `qtype` runs in the r8 layout on path `isa`."""
+    """Whether a `shape` weight of `qtype` runs in the r8 layout on path `isa` (Q8_0: the VNNI
+    paths only, `quant_gemm.cpp`)."""
     return (qtype in QTYPES and isa != "scalar" and shape[0] % 8 == 0 and shape[1] % 32 == 0
+            and (qtype != "Q8_0" or isa in ("avxvnni", "avx512vnni"))
             and bool(library(lib).pr_quant_r8_supported(QTYPES[qtype])))
 
 
