@@ -361,6 +361,21 @@ inline __m256 load_scales(const uint8_t* p, bool f32) {
              : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
+// s + the 4-byte dot products of unsigned u with signed x, on the VNNI path ISA.
+template <int ISA>
+inline __m256i dpbusd8(__m256i s, __m256i u, __m256i x) {
+#if defined(PRQ_AVX512VNNI)
+  if (ISA == AVX512VNNI) return _mm256_dpbusd_epi32(s, u, x);
+#endif
+#if defined(PRQ_AVXVNNI)
+  return _mm256_dpbusd_avx_epi32(s, u, x);
+#else
+  return _mm256_dpbusd_epi32(s, u, x);
+#endif
+}
+#endif
+
 // 8 int32 lanes (one per row) += the 32-weight block dots of rows r with x (lo/hi: the unpacked nibbles).
 template <int ISA>
 inline __m256i block_dot8(const __m256i* lo, const __m256i* hi, const int8_t* xq) {
@@ -373,20 +388,13 @@ inline __m256i block_dot8(const __m256i* lo, const __m256i* hi, const int8_t* xq
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
   }
   __m256i s = _mm256_setzero_si256();
+#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
   for (int k = 0; k < 4; ++k) {
-#if defined(PRQ_AVX512VNNI)
-    if (ISA == AVX512VNNI) {
-      s = _mm256_dpbusd_epi32(s, lo[k], bcast4(xq + 4 * k));
-      s = _mm256_dpbusd_epi32(s, hi[k], bcast4(xq + 16 + 4 * k));
-      continue;
-    }
-#endif
-#if defined(PRQ_AVXVNNI)
-    s = _mm256_dpbusd_avx_epi32(s, lo[k], bcast4(xq + 4 * k));
-    s = _mm256_dpbusd_avx_epi32(s, hi[k], bcast4(xq + 16 + 4 * k));
-#endif
+    s = dpbusd8<ISA>(s, lo[k], bcast4(xq + 4 * k));
+    s = dpbusd8<ISA>(s, hi[k], bcast4(xq + 16 + 4 * k));
   }
-  return s;
+#endif
+  return s;  // without a VNNI path compiled only ISA == AVX2 exists, which returned above
 }
 
 // out[m][0..7] = the 8 rows of group `g` times activation rows a[0..MB).
@@ -416,18 +424,6 @@ void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)
 }
 
 #if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
-template <int ISA>
-inline __m256i dpbusd8(__m256i s, __m256i u, __m256i x) {
-#if defined(PRQ_AVX512VNNI)
-  if (ISA == AVX512VNNI) return _mm256_dpbusd_epi32(s, u, x);
-#endif
-#if defined(PRQ_AVXVNNI)
-  return _mm256_dpbusd_avx_epi32(s, u, x);
-#else
-  return _mm256_dpbusd_epi32(s, u, x);
-#endif
-}
-
 // group8 for Q8_0's r8 blocks (w + 128 as unsigned bytes; the 8 rows' d after them).
 template <int ISA, int MB>
 void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
@@ -698,6 +694,11 @@ int pr_quant_r8_supported(int qt) {
 #endif
 }
 
+// 1 when path `isa` of this build runs the r8 layout of `qt` (Q8_0: the VNNI paths only).
+int pr_quant_r8_isa(int qt, int isa) {
+  return pr_quant_r8_supported(qt) && isa != SCALAR && isa_compiled(isa) && !(qt == Q8_0 && isa == AVX2);
+}
+
 // Bytes of the r8 copy of N rows of K weights (N % 8 == 0, K % 32 == 0).
 int64_t pr_quant_r8_bytes(int qt, int64_t N, int64_t K) { return N / 8 * (K / 32) * r8_block_bytes(qt); }
 
@@ -736,7 +737,7 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
 // pr_quant_linear for W in the r8 layout of type qt (isa: 1..3). Same returns.
 int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void* x, int64_t ldx, int x_bf16,
                      int64_t M, void* y, int64_t ldy, int y_bf16, int isa) {
-  if (!pr_quant_r8_supported(qt) || isa == SCALAR || !isa_compiled(isa) || (qt == Q8_0 && isa == AVX2)) return 1;
+  if (!pr_quant_r8_isa(qt, isa)) return 1;
   if (N % 8 || K % 32) return 2;
   linear(Call{w8, N, K, M, ldy, 0, nullptr, y, y_bf16, qt, isa, true}, x, ldx, x_bf16);
   return 0;

@@ -13,11 +13,11 @@ output rows per vector; 20 bytes per 32 weights with float16 scales for
 Q4_0/Q4_1, 24 with Q4_K's float32 ones), and so is Q8_0 where the path has
 VNNI (34 bytes, as in GGUF; a 49152 x 576 LM head on one Xeon AMX core: 2.76 ->
 1.12 ms at 4 rows, 1.05 ms at 1 row either way, where the weight stream is the
-bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step of more than `PREFILL_ROWS` rows is compute-bound
-instead: it dequantises the weight into the input's dtype and runs the dense
-matmul (oneDNN), faster there (measured on Zen 4, one thread: the r8 kernel
-wins up to ~40 rows: for a 3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows,
-~1 ms vs 0.75 ms at 64). The two paths round differently (int8 activations vs
+bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step
+of more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
+weight into the input's dtype and runs the dense matmul (oneDNN), faster there
+(measured on Zen 4, one thread: the r8 kernel wins up to ~40 rows: for a
+3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows, ~1 ms vs 0.75 ms at 64). The two paths round differently (int8 activations vs
 bfloat16 weights): a prompt computed whole and the same prompt after a prefix-
 cache hit (its few remaining rows) can then flip a near-tied greedy token
 (seen: 0.35 nats apart on a 0.08-nat tie). PREFILL_ROWS is 64, not 40, so that
@@ -70,6 +70,8 @@ def library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
         lib.pr_quant_dequantize.restype = i32
         lib.pr_quant_r8_supported.argtypes = [i32]
         lib.pr_quant_r8_supported.restype = i32
+        lib.pr_quant_r8_isa.argtypes = [i32, i32]
+        lib.pr_quant_r8_isa.restype = i32
         lib.pr_quant_r8_bytes.argtypes = [i32, i64, i64]
         lib.pr_quant_r8_bytes.restype = i64
         lib.pr_quant_repack8.argtypes = [i32, ptr, i64, i64, ptr]
@@ -142,9 +144,8 @@ def _check(rc: int, what: str) -> None:
 def r8_supported(qtype: str, shape: tuple[int, int], isa: str, lib: ctypes.CDLL | None = None) -> bool:
     """Whether a `shape` weight of `qtype` runs in the r8 layout on path `isa` (Q8_0: the VNNI
     paths only, `quant_gemm.cpp`)."""
-    return (qtype in QTYPES and isa != "scalar" and shape[0] % 8 == 0 and shape[1] % 32 == 0
-            and (qtype != "Q8_0" or isa in ("avxvnni", "avx512vnni"))
-            and bool(library(lib).pr_quant_r8_supported(QTYPES[qtype])))
+    return (qtype in QTYPES and isa in ISAS and shape[0] % 8 == 0 and shape[1] % 32 == 0
+            and bool(library(lib).pr_quant_r8_isa(QTYPES[qtype], ISAS[isa])))
 
 
 def repack8(qtype: str, blocks: torch.Tensor, in_features: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
