@@ -106,18 +106,22 @@ inline __m512 hsum16(const __m512* v) {
 }
 
 // Scores of one bfloat16 query row against up to 16 key rows (stride `row`),
-// lanes [ja, jb) valid; returns them scaled in a vector, invalid lanes -inf.
+// lanes [ja, jb) valid (ja < jb); returns them scaled in a vector, invalid lanes -inf.
+// Fully unrolled, no branches: a lane outside [ja, jb) re-reads the nearest valid
+// row (its score is masked), so only rows [ja, jb) are ever read.
 template <int NC>  // D = 32 * NC
 inline __m512 scores16(const uint16_t* qrow, const uint16_t* k, int64_t row, int64_t ja, int64_t jb,
                        float scale) {
   __m512bh qv[NC];
   for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
+  const bool full = ja == 0 && jb == 16;
   __m512 acc[16];
+#pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
-    acc[j] = _mm512_setzero_ps();
-    if (j >= ja && j < jb)
-      for (int c = 0; c < NC; ++c)
-        acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(k + j * row + 32 * c));
+    const uint16_t* kr = k + (full ? j : std::min<int64_t>(std::max<int64_t>(j, ja), jb - 1)) * row;
+    acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+    for (int c = 1; c < NC; ++c)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
   }
   const __mmask16 valid = __mmask16(((1u << jb) - 1u) & ~((1u << ja) - 1u));
   return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
@@ -299,10 +303,12 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
 // Each work item reads the keys and values of a range of KV heads over a key range
 // once, block by block (prefetching the next block while it computes on the
 // current one), for the G query heads that share each KV head. The bfloat16 path
-// prefetches one row of the next block per key it computes: a whole block's
-// prefetches at once fill the core's miss buffers and stall the loads behind
-// them until they land, so fetch and compute add up instead of overlapping
-// (64 requests x 160 keys x 30 layers: 15.8 -> 9.6 ms on 2 Zen 4 cores). With at least
+// spreads the next block's prefetches over the keys it computes, in address order
+// (`NextBlock`): a whole block's prefetches at once fill the core's miss buffers and
+// stall the loads behind them until they land, so fetch and compute add up instead of
+// overlapping (64 requests x 160 keys x 30 layers: 15.8 -> 9.6 ms on 2 Zen 4 cores), and
+// address order beat a row of each head per key (64 x 336 keys x 30 layers on 2 Intel
+// AMX cores: 28.0 -> 25.9 ms). With at least
 // twice as many requests as threads an item is a request (all heads: each block's
 // rows are read whole); otherwise an item is one (request, KV head) pair, and when
 // those are fewer than twice the threads long contexts are split into ranges of
@@ -373,11 +379,58 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
 // range. Row sums are kept as 16 lanes (`lv`, 16 floats per row), added up at the end.
 constexpr float RESCALE = 8.f;
 
+// The next block's K and V rows of the item's heads (`lines_per_row` cache lines each,
+// `stride` bytes apart; `total` lines), prefetched in address order, `per_call` lines
+// per call: spread over the current block's compute (see `decode`), in ascending runs,
+// which the L2 streamer follows.
+struct NextBlock {
+  const char *k = nullptr, *v = nullptr;
+  int64_t stride = 0, lines_per_row = 1, total = 0, pos = 0, per_call = 0;
+  inline void fetch() {
+    for (const int64_t end = std::min(total, pos + per_call); pos < end; ++pos) {
+      const int64_t off = pos / lines_per_row * stride + pos % lines_per_row * 64;
+      __builtin_prefetch(k + off);
+      __builtin_prefetch(v + off);
+    }
+  }
+};
+
+// Heads whose PV accumulators stay in registers at once (16 vectors).
+constexpr int pv_heads(int NC) { return NC <= 2 ? 4 : 2; }
+
+// acc[g] = corr[g] * acc[g] + sum_j p[g][j] v[j] over the valid keys [a, b) of a 16-key
+// chunk, for NG heads (accumulators in registers); each V row is widened once for all
+// of them. Each key prefetches a few lines of the next block (`next`).
+template <int NC, int NG>
+inline void pv16(const uint16_t* v, int64_t row, int64_t a, int64_t b, const float (*p)[16],
+                 const float* corr, float* acc, NextBlock* next) {
+  constexpr int NV = 2 * NC;
+  __m512 o[NG][NV];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) {
+      o[g][i] = _mm512_loadu_ps(acc + g * 32 * NC + 16 * i);
+      if (corr[g] != 1.f) o[g][i] = _mm512_mul_ps(o[g][i], _mm512_set1_ps(corr[g]));
+    }
+  for (int64_t j = a; j < b; ++j) {
+    next->fetch();
+    const uint16_t* vr = v + j * row;
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * i))), 16));
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g][j]);
+      for (int i = 0; i < NV; ++i) o[g][i] = _mm512_fmadd_ps(pj, vv[i], o[g][i]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + g * 32 * NC + 16 * i, o[g][i]);
+}
+
 template <int NC>
 inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t ja,
                               int64_t jb, int64_t G, float scale, float* m, float* lv, float* acc,
-                              const uint16_t* next_k, const uint16_t* next_v) {
-  constexpr int D = 32 * NC, NV = 2 * NC;
+                              NextBlock* next) {
+  constexpr int D = 32 * NC;
   for (int64_t c0 = ja - ja % 16; c0 < jb; c0 += 16) {
     const int64_t a = std::max<int64_t>(ja - c0, 0), b = std::min<int64_t>(jb - c0, 16);
     const __mmask16 valid = __mmask16(((1u << b) - 1u) & ~((1u << a) - 1u));
@@ -396,34 +449,19 @@ inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16
       _mm512_storeu_ps(lv + 16 * g, _mm512_add_ps(_mm512_loadu_ps(lv + 16 * g), e));
       _mm512_store_ps(p[g], e);
     }
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {  // 4 heads x NV vectors of accumulators in registers
-      const int64_t ng = std::min<int64_t>(4, G - g0);
-      __m512 o[4][NV];
-      for (int64_t g = 0; g < ng; ++g)
-        for (int i = 0; i < NV; ++i) {
-          o[g][i] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * i);
-          if (corr[g0 + g] != 1.f) o[g][i] = _mm512_mul_ps(o[g][i], _mm512_set1_ps(corr[g0 + g]));
-        }
-      for (int64_t j = a; j < b; ++j) {
-        if (next_k != nullptr && g0 == 0)  // the same row of the next block, spread over the keys
-          for (int e = 0; e < D * 2; e += 64) {
-            __builtin_prefetch(reinterpret_cast<const char*>(next_k + (c0 + j) * row) + e);
-            __builtin_prefetch(reinterpret_cast<const char*>(next_v + (c0 + j) * row) + e);
-          }
-        const uint16_t* vr = v + (c0 + j) * row;
-        __m512 vv[NV];
-        for (int i = 0; i < NV; ++i) vv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * i))), 16));
-        for (int64_t g = 0; g < ng; ++g) {
-          const __m512 pj = _mm512_set1_ps(p[g0 + g][j]);
-          for (int i = 0; i < NV; ++i) o[g][i] = _mm512_fmadd_ps(pj, vv[i], o[g][i]);
-        }
+    constexpr int NG = pv_heads(NC);
+    for (int64_t g0 = 0; g0 < G; g0 += NG) {
+      const uint16_t* vc = v + c0 * row;
+      switch (std::min<int64_t>(NG, G - g0)) {
+        case 1: pv16<NC, 1>(vc, row, a, b, p + g0, corr + g0, acc + g0 * D, next); break;
+        case 2: pv16<NC, 2>(vc, row, a, b, p + g0, corr + g0, acc + g0 * D, next); break;
+        case 3: pv16<NC, 3>(vc, row, a, b, p + g0, corr + g0, acc + g0 * D, next); break;
+        default: pv16<NC, NG>(vc, row, a, b, p + g0, corr + g0, acc + g0 * D, next); break;
       }
-      for (int64_t g = 0; g < ng; ++g)
-        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * i, o[g][i]);
     }
   }
 }
+
 #endif
 
 template <typename T>
@@ -456,6 +494,16 @@ void decode_item(void* ctx, int64_t idx, int) {
         }
     }
     const int64_t ja = std::max(it.k0 - b * bs, int64_t(0)), jb = std::min(it.k1 - b * bs, bs);
+#ifdef PR_BF16_DOT
+    NextBlock next;  // one call per (key, head, group of pv_heads query heads) of this block
+    if (has_next && bf16_dot) {
+      const int64_t groups = (G + pv_heads(D / 32) - 1) / pv_heads(D / 32);
+      const int64_t span = nh * D * int64_t(sizeof(T)), calls = nh * (jb - ja) * groups;
+      next = {reinterpret_cast<const char*>(c.kc + noff), reinterpret_cast<const char*>(c.vc + noff),
+              row * int64_t(sizeof(T)), (span + 63) / 64, bs * ((span + 63) / 64), 0, 0};
+      next.per_call = (next.total + calls - 1) / calls;
+    }
+#endif
     for (int64_t h = 0; h < nh; ++h) {
       const T* qh = q + h * G * D;
       const T* kb = c.kc + off + h * D;
@@ -466,11 +514,9 @@ void decode_item(void* ctx, int64_t idx, int) {
         const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qh);
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
         const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
-        const uint16_t* nk = has_next ? reinterpret_cast<const uint16_t*>(c.kc + noff + h * D) : nullptr;
-        const uint16_t* nv = has_next ? reinterpret_cast<const uint16_t*>(c.vc + noff + h * D) : nullptr;
         float* lvh = lv + h * G * 16;
-        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, nk, nv);
-        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, nk, nv);
+        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, &next);
+        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, &next);
         continue;
       }
 #endif
