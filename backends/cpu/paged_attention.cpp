@@ -379,18 +379,31 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
 // range. Row sums are kept as 16 lanes (`lv`, 16 floats per row), added up at the end.
 constexpr float RESCALE = 8.f;
 
-// The next block's K and V rows of the item's heads (`lines_per_row` cache lines each,
-// `stride` bytes apart; `total` lines), prefetched in address order, `per_call` lines
-// per call: spread over the current block's compute (see `decode`), in ascending runs,
-// which the L2 streamer follows.
+// The next block's K and V rows of the item's heads, prefetched in address order,
+// `per_call` cache lines per call: spread over the current block's compute (see `decode`).
 struct NextBlock {
   const char *k = nullptr, *v = nullptr;
-  int64_t stride = 0, lines_per_row = 1, total = 0, pos = 0, per_call = 0;
+  int64_t stride = 0, lines_per_row = 1, left = 0, line = 0, per_call = 0;
+  // rows [0, rows) of `span` bytes `stride` bytes apart at k_rows / v_rows, over `calls` calls of fetch()
+  void start(const void* k_rows, const void* v_rows, int64_t stride_bytes, int64_t span, int64_t rows,
+             int64_t calls) {
+    k = static_cast<const char*>(k_rows);
+    v = static_cast<const char*>(v_rows);
+    stride = stride_bytes;
+    lines_per_row = (span + 63) / 64;
+    left = rows * lines_per_row;
+    line = 0;
+    per_call = (left + std::max<int64_t>(calls, 1) - 1) / std::max<int64_t>(calls, 1);
+  }
   inline void fetch() {
-    for (const int64_t end = std::min(total, pos + per_call); pos < end; ++pos) {
-      const int64_t off = pos / lines_per_row * stride + pos % lines_per_row * 64;
-      __builtin_prefetch(k + off);
-      __builtin_prefetch(v + off);
+    for (int64_t n = std::min(left, per_call); n > 0; --n, --left) {
+      __builtin_prefetch(k + 64 * line);
+      __builtin_prefetch(v + 64 * line);
+      if (++line == lines_per_row) {
+        line = 0;
+        k += stride;
+        v += stride;
+      }
     }
   }
 };
@@ -498,10 +511,8 @@ void decode_item(void* ctx, int64_t idx, int) {
     NextBlock next;  // one call per (key, head, group of pv_heads query heads) of this block
     if (has_next && bf16_dot) {
       const int64_t groups = (G + pv_heads(D / 32) - 1) / pv_heads(D / 32);
-      const int64_t span = nh * D * int64_t(sizeof(T)), calls = nh * (jb - ja) * groups;
-      next = {reinterpret_cast<const char*>(c.kc + noff), reinterpret_cast<const char*>(c.vc + noff),
-              row * int64_t(sizeof(T)), (span + 63) / 64, bs * ((span + 63) / 64), 0, 0};
-      next.per_call = (next.total + calls - 1) / calls;
+      next.start(c.kc + noff, c.vc + noff, row * int64_t(sizeof(T)), nh * D * int64_t(sizeof(T)), bs,
+                 nh * (jb - ja) * groups);
     }
 #endif
     for (int64_t h = 0; h < nh; ++h) {
