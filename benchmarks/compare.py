@@ -312,10 +312,10 @@ def main() -> int:
     results["polyrunner"] = poly.pop("workloads")
     print("[compare] polyrunner-quant", flush=True)
     results["polyrunner-quant"] = run_polyrunner(args.repeats, False, workloads, None)["workloads"]
-    if llama_python is not None:
+    llama_workloads = [w for w in workloads if w != "w1"]   # (W1's 64 requests: not a llama.cpp workload)
+    if llama_python is not None and llama_workloads:
         print("[compare] llama.cpp", flush=True)
-        results["llama.cpp"] = run_llama_cpp(llama_python, args.repeats, [w for w in workloads if w != "w1"],
-                                             threads)
+        results["llama.cpp"] = run_llama_cpp(llama_python, args.repeats, llama_workloads, threads)
     if not args.skip_hf:
         print("[compare] transformers", flush=True)
         results["transformers"] = run_transformers(folder, args.repeats, dtype, workloads)
