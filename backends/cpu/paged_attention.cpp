@@ -781,14 +781,31 @@ void pr_rotary_bf16(uint16_t* q, int64_t q_ts, int64_t Hq, uint16_t* k, int64_t 
     for (int64_t t = t0; t < t1; ++t) {
       const float* c = cos + pos[t] * D;
       const float* s = sin + pos[t] * D;
-      float cb[512], sb[512];
-      for (int64_t d = 0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
+      alignas(64) float cb[512], sb[512];
+      int64_t e0 = 0;
+#ifdef PR_BF16_DOT
+      for (; e0 + 16 <= D; e0 += 16) {
+        _mm512_store_ps(cb + e0, rnd16(_mm512_loadu_ps(c + e0)));
+        _mm512_store_ps(sb + e0, rnd16(_mm512_loadu_ps(s + e0)));
+      }
+#endif
+      for (int64_t d = e0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
       for (int which = 0; which < 2; ++which) {
         uint16_t* base = which == 0 ? q + t * q_ts : k + t * k_ts;
         const int64_t H = which == 0 ? Hq : Hk;
         for (int64_t h = 0; h < H; ++h) {
           uint16_t* x = base + h * D;
-          for (int64_t d = 0; d < half; ++d) {
+          int64_t d0 = 0;
+#ifdef PR_BF16_DOT
+          for (; d0 + 16 <= half; d0 += 16) {  // the scalar loop's math, 16 lanes at a time
+            const __m512 a = ld16(x + d0), b = ld16(x + d0 + half);
+            const __m512 c1 = _mm512_loadu_ps(cb + d0), s1 = _mm512_loadu_ps(sb + d0);
+            const __m512 c2 = _mm512_loadu_ps(cb + d0 + half), s2 = _mm512_loadu_ps(sb + d0 + half);
+            st16(x + d0, _mm512_sub_ps(rnd16(_mm512_mul_ps(a, c1)), rnd16(_mm512_mul_ps(b, s1))));
+            st16(x + d0 + half, _mm512_add_ps(rnd16(_mm512_mul_ps(b, c2)), rnd16(_mm512_mul_ps(a, s2))));
+          }
+#endif
+          for (int64_t d = d0; d < half; ++d) {
             const float a = ld(x[d]), b = ld(x[d + half]);
             st(x + d, rnd(a * cb[d]) + rnd(-b * sb[d]));
             st(x + d + half, rnd(b * cb[d + half]) + rnd(a * sb[d + half]));
