@@ -320,7 +320,7 @@ def test_server_streams_flow_while_a_real_grammar_compiles(monkeypatch):
         times: list[float] = []
 
         def stream() -> None:
-            for _ in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=200,
+            for _ in client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=480,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
                 times.append(time.monotonic())
 
@@ -336,7 +336,8 @@ def test_server_streams_flow_while_a_real_grammar_compiles(monkeypatch):
         free.join(120)
         assert r.choices[0].text.startswith("{")
         during = [b - a for a, b in zip(times, times[1:]) if b > sent]
-        assert answered - sent > 0.5 and times[-1] > answered, "the compile did not overlap the stream"
+        flowed = sum(sent < t < answered for t in times)   # chunks that came while the grammar compiled
+        assert answered - sent > 0.5 and flowed >= 3, f"the compile did not overlap the stream ({flowed} chunks)"
         assert max(during) < 1.0, f"a stream stalled {max(during):.2f} s while a grammar compiled"
         wait_idle(allm)
     finally:
