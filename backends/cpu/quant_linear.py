@@ -17,12 +17,13 @@ bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step
 of more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
 weight into the input's dtype and runs the dense matmul (oneDNN), faster there
 (measured on Zen 4, one thread: the r8 kernel wins up to ~40 rows: for a
-3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows, ~1 ms vs 0.75 ms at 64). The two paths round differently (int8 activations vs
-bfloat16 weights): a prompt computed whole and the same prompt after a prefix-
-cache hit (its few remaining rows) can then flip a near-tied greedy token
-(seen: 0.35 nats apart on a 0.08-nat tie). PREFILL_ROWS is 64, not 40, so that
-chat-sized prompts and their cache hits take the same path; llama.cpp quantizes
-activations at every batch size instead, at 2-3x the prefill cost here.
+3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows, ~1 ms vs 0.75 ms at 64).
+The two paths round differently (int8 activations vs bfloat16 weights): a
+prompt computed whole and the same prompt after a prefix-cache hit (its few
+remaining rows) can then flip a near-tied greedy token (seen: 0.35 nats apart
+on a 0.08-nat tie). PREFILL_ROWS is 64, not 40, so that chat-sized prompts and
+their cache hits take the same path; llama.cpp quantizes activations at every
+batch size instead, at 2-3x the prefill cost here.
 
 Instruction-set paths ("avx512vnni", "avxvnni", "avx2", "scalar"): each weight shape takes the
 fastest the kernel library has, timed once per machine at decode row counts (`measured_isa`; the
