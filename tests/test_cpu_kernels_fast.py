@@ -26,6 +26,19 @@ def test_amx_linear_matches_matmul(M: int, N: int, K: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("M,K,aligned", [(1000, 1536, True), (1900, 576, True), (700, 1536, False)])
+def test_amx_linear_row_blocks(M: int, K: int, aligned: bool) -> None:
+    """Prefill-sized x runs as several row blocks (1 MiB of x each: 341 rows at K 1536, 910 at 576),
+    the last one partial and ending in a tail of fewer than 16 rows; unaligned x is copied whole."""
+    g = torch.Generator().manual_seed(M + K)
+    flat = torch.randn(M * K + 1, generator=g).to(torch.bfloat16)
+    x = flat[:-1].view(M, K) if aligned else flat[1:].view(M, K)
+    assert (x.data_ptr() % 64 == 0) == aligned
+    w = (torch.randn(96, K, generator=g) / 8).to(torch.bfloat16)
+    assert_linear_close(kernels.amx_linear_bf16(x, kernels.amx_pack_bf16(w), 96), x, w)
+
+
+@needs_amx
 def test_amx_linear_strided_rows_and_declines() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 128, generator=g).to(torch.bfloat16)[:, :64]  # row stride 128
