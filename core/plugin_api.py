@@ -11,7 +11,10 @@ names may move, these names stay. See `docs/plugins.md` for the contract
 true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 
 - registration: `hookimpl` (mark `polyrunner_backends`, `polyrunner_models`,
-  `polyrunner_adjust_config`), `register` (run-time registration);
+  `polyrunner_adjust_config`), `register` (run-time registration),
+  `PLUGIN_API_VERSION` (the contract version: a plugin declares the one it is
+  written for as its own `PLUGIN_API_VERSION = "1.0"`; `PluginVersionError` when
+  it is missing or not implemented here);
 - the backend contract: `Backend`, `Availability`, `Capabilities`,
   `SAMPLING_FEATURES`, `GraphExecutor`, `ModelInputs`, `HostFuture`;
 - padding: `BucketPolicy` and the bucket-list helpers `capture_sizes`
@@ -71,6 +74,7 @@ from polyrunner.device.graphs import (
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.envs import cache_root, declare
 from polyrunner.plugins import hookimpl, register
+from polyrunner.plugins.api_version import PLUGIN_API_VERSION, PluginVersionError
 from polyrunner.runner.inputs import StepInputs
 from polyrunner.sample import (
     LogprobsLists,
@@ -87,7 +91,7 @@ from polyrunner.sample.metadata import HostSamplingRows
 
 __all__ = [
     # registration
-    "hookimpl", "register",
+    "hookimpl", "register", "PLUGIN_API_VERSION", "PluginVersionError",
     # the backend contract
     "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
     "HostFuture", "EngineConfig", "StepInputs",

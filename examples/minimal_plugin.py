@@ -1,5 +1,4 @@
-"""A whole device plugin: "minimal_cpu", the host CPU with power-of-two padding buckets and the
-core's reference paged attention. Certify it (from the repository root):
+"""A whole device plugin: "minimal_cpu" (host CPU, power-of-two buckets, the core's reference attention). Certify:
 PYTHONPATH=examples polyrunner conformance --plugin minimal_plugin --backend minimal_cpu"""
 
 import os
@@ -8,6 +7,8 @@ import torch
 
 from polyrunner.plugin_api import (Availability, Backend, BucketPolicy, Capabilities, GraphExecutor,
                                    exponential_sizes, hookimpl, reference_paged_attention)
+
+PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (checked at registration)
 
 
 class PaddedEagerExecutor(GraphExecutor):  # eager runs of padded batches; a "graph" = a padded token count

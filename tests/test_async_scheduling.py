@@ -78,6 +78,7 @@ class DeferredCopyPaddedCPU(DeferredCopyCPU):
 
 
 class _Plugin:
+    PLUGIN_API_VERSION = "1.0"
     @hookimpl
     def polyrunner_backends(self):
         return [DeferredCopyCPU, DeferredCopyPaddedCPU, NeverCopiedCPU]

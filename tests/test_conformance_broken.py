@@ -25,6 +25,7 @@ from polyrunner.plugins.manager import unregister
 
 class _Plugin:
     """A run-time plugin contributing one backend class."""
+    PLUGIN_API_VERSION = "1.0"
 
     def __init__(self, cls) -> None:
         self.cls = cls
@@ -307,7 +308,7 @@ def test_pytest_route_reports_blocked_checks_as_skipped_and_fails(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "1 failed, 6 passed, 3 skipped" in out, out
+    assert "1 failed, 7 passed, 3 skipped" in out, out
     assert "SKIPPED [3]" in out and "blocked by buckets::end_at_configured_maximum" in out, out
     cases = list(ET.parse(tmp_path / "j.xml").getroot().iter("testcase"))
     by_name = {c.get("name"): c for c in cases}

@@ -258,6 +258,7 @@ class ShortSimGraphBackend(SimGraphBackend):
 
 
 class _SimPlugin:
+    PLUGIN_API_VERSION = "1.0"
     @staticmethod
     @hookimpl
     def polyrunner_backends():

@@ -125,6 +125,7 @@ class ProfilingSimBackend(SimGraphBackend):
 
 
 class _ProfilePlugin:
+    PLUGIN_API_VERSION = "1.0"
     @staticmethod
     @hookimpl
     def polyrunner_backends():
@@ -162,6 +163,7 @@ def test_triton_attention_graphs_one_key_per_batch_size(tiny_llama):
         executor_kwargs = dict(length_adaptive=True)
 
     class _Plugin:
+        PLUGIN_API_VERSION = "1.0"
         @staticmethod
         @hookimpl
         def polyrunner_backends():

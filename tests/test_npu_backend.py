@@ -172,6 +172,7 @@ class SplitKVCPUBackend(CPUBackend):
 
 
 class _Plugin:
+    PLUGIN_API_VERSION = "1.0"
     @staticmethod
     @hookimpl
     def polyrunner_backends():

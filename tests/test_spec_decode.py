@@ -264,6 +264,7 @@ class StaticCPU(PaddedCPU):
 
 
 class _Plugin:
+    PLUGIN_API_VERSION = "1.0"
     @hookimpl
     def polyrunner_backends(self):
         return [PaddedCPU, StaticCPU]

@@ -135,6 +135,7 @@ def test_json_object_and_mixed_batch(llm):
 
 
 class _DeferredCopyPlugin:
+    PLUGIN_API_VERSION = "1.0"
     @hookimpl
     def polyrunner_backends(self):
         return [StructuredDeferredCopyCPU, StructuredDeferredCopyPaddedCPU]

@@ -144,6 +144,9 @@ class CPUBackend(Backend):
     quantize_model = staticmethod(quantize_model)
 
 
+PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (checked at registration)
+
+
 @hookimpl
 def polyrunner_backends() -> list[type[Backend]]:
     return [CPUBackend]

@@ -200,6 +200,9 @@ class CUDABackend(Backend):
         return int(free), int(total)
 
 
+PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (checked at registration)
+
+
 @hookimpl
 def polyrunner_backends() -> list[type[Backend]]:
     return [CUDABackend]

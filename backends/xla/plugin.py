@@ -227,6 +227,9 @@ class XLABackend(Backend):
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
+PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (checked at registration)
+
+
 @hookimpl
 def polyrunner_backends() -> list[type[Backend]]:
     return [XLABackend]

@@ -11,6 +11,7 @@ import pluggy
 
 from polyrunner.device.backend import Availability, Backend
 from polyrunner.plugins import hookspecs
+from polyrunner.plugins.api_version import PluginVersionError, check_plugin_version
 
 ENTRY_POINT_GROUP = "polyrunner.backends"
 logger = logging.getLogger(__name__)
@@ -32,6 +33,13 @@ def get_plugin_manager() -> pluggy.PluginManager:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             try:
                 pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+                plugin = pm.get_plugin(ep.name)
+                if plugin is not None:
+                    try:
+                        check_plugin_version(plugin, ep.name)
+                    except PluginVersionError:
+                        pm.unregister(plugin)
+                        raise
             except Exception as exc:  # a broken plugin must not break import
                 _broken[ep.name] = f"plugin failed to load: {type(exc).__name__}: {exc}"
                 logger.warning("polyrunner plugin %r failed to load: %s", ep.name, exc)
@@ -40,7 +48,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
 
 
 def register(plugin: object, name: str | None = None) -> None:
-    """Register a plugin defined in user code (a module or object with hookimpls)."""
+    """Register a plugin defined in user code (a module or object with hookimpls and its
+    `PLUGIN_API_VERSION`); PluginVersionError when that version is missing or not implemented here."""
+    check_plugin_version(plugin, name or getattr(plugin, "__name__", type(plugin).__name__))
     pm = get_plugin_manager()
     if name is not None and pm.get_plugin(name) is not None:
         pm.unregister(name=name)

@@ -47,6 +47,7 @@ class NoOpModel(torch.nn.Module):
 
 
 class NoOpPlugin:
+    PLUGIN_API_VERSION = "1.0"
     @hookimpl
     def polyrunner_models(self):
         return {"NoOpForCausalLM": NoOpModel}

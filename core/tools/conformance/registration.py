@@ -48,6 +48,20 @@ def check_discovered(ctx) -> str:
 
 
 @check("registration", depends_on=("registration::discovered",))
+def check_api_version(ctx) -> str:
+    """The contributing plugin declares the plugin API version it is written for, and this
+    polyrunner implements it (same major version, minor not newer)."""
+    from polyrunner.plugins import get_plugin_manager
+    from polyrunner.plugins.api_version import PLUGIN_API_VERSION, PluginVersionError, check_plugin_version
+    plugin_name = _contributions(ctx.backend_name)[0][0]
+    try:
+        declared = check_plugin_version(get_plugin_manager().get_plugin(plugin_name), plugin_name)
+    except PluginVersionError as exc:
+        fail(str(exc))
+    return f"plugin API {declared} (polyrunner implements {PLUGIN_API_VERSION})"
+
+
+@check("registration", depends_on=("registration::discovered",))
 def check_probe_never_raises(ctx) -> str:
     """`probe()` returns an Availability (twice, consistently) and never raises."""
     from polyrunner.device.backend import Availability
