@@ -8,9 +8,9 @@ STAMP := $(VENV)/.polyrunner-installed
 # name where they differ): `make test` runs the conformance suite once more with all of them
 # hidden (.ci/hide_packages), as after a plain `pip install polyrunner`.
 # tests/test_conformance_optional.py keeps this list in step with pyproject.toml.
-OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py
+OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py,ruff
 
-.PHONY: setup demo test test-xla bench clean
+.PHONY: setup demo lint test test-fast test-xla bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+# ruff: pyflakes, pycodestyle errors, isort, bugbear (pyproject.toml [tool.ruff]); CI runs it first
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# the suite without the slow modules (tests/markers.py): under 3 minutes on 2 cores
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests -m "not slow"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

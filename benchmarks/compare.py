@@ -36,6 +36,7 @@ not absolute numbers, across invocations).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -240,6 +241,13 @@ ROWS = [  # (label, workload, key, higher is better)
 ]
 
 
+def _ratio(other: float | None, ours: float | None, higher: bool) -> str:
+    """How many times better `ours` is than `other` ("-" when either is missing)."""
+    if ours is None or other is None or other == 0 or ours == 0:
+        return "-"
+    return f"{(ours / other) if higher else (other / ours):.2f}x"
+
+
 def table(results: dict[str, list[dict]], extras: dict) -> str:
     runners = list(results)
     get = {r: {res["workload"]: res for res in results[r]} for r in runners}
@@ -248,16 +256,12 @@ def table(results: dict[str, list[dict]], extras: dict) -> str:
     rows = [head]
     for label, w, key, higher in ROWS:
         vals = {r: get[r].get(w, {}).get(key) for r in runners}
-
-        def ratio(other, ours=vals.get("polyrunner")):
-            if ours is None or other is None or other == 0 or ours == 0:
-                return "-"
-            return f"{(ours / other) if higher else (other / ours):.2f}x"
+        ratio = functools.partial(_ratio, higher=higher, ours=vals.get("polyrunner"))
         vbest = [vals[r] for r in vllms if vals[r] is not None]
         best = (max(vbest) if higher else min(vbest)) if vbest else None
         rows.append([label, *[("-" if vals[r] is None else f"{vals[r]:.1f}") for r in runners],
                      ratio(best), ratio(vals.get("transformers")),
-                     ratio(vals.get("llama.cpp"), vals.get("polyrunner-quant"))])
+                     ratio(vals.get("llama.cpp"), ours=vals.get("polyrunner-quant"))])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
              for row in rows]

@@ -112,6 +112,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[dict
 
 def generate(llm, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
     import torch
+
     from polyrunner import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -249,8 +250,9 @@ def phase_decode(args, ctx) -> dict:
 
 def phase_attention(args, ctx) -> dict:
     import torch
-    from polyrunner.plugin_api import LayerSpec
+
     from polyrunner.backends.cuda.triton_attention import unified_attention
+    from polyrunner.plugin_api import LayerSpec
     name = torch.cuda.get_device_properties(0).name
     peak = next((bw for key, bw in HBM_PEAK.items() if key in name), None)
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -298,6 +300,7 @@ def phase_attention(args, ctx) -> dict:
 
 def phase_memory(args, ctx) -> dict:
     import torch
+
     from polyrunner import LLM
     path, what = model_source(args, ctx)
     t0 = time.perf_counter()

@@ -26,7 +26,6 @@ import numpy as np
 from shared_workloads import workloads
 
 
-
 class Slots:
     """One llama.cpp context with `n_seq` sequences decoded together, greedily."""
 

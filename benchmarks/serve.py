@@ -392,12 +392,14 @@ def table(results: dict, rates: list[float], prompts: list[int], args: argparse.
     for n in names:
         r = results[n]
         per = "; ".join(f"{rate:g}: {res['completed']} ok/{res['failed']} failed, {res['duration']:.1f} s"
-                        + (f", {res['bad_output_lens']} with output != {args.output_len}" if res['bad_output_lens'] else "")
+                        + (f", {res['bad_output_lens']} with output != {args.output_len}"
+                           if res['bad_output_lens'] else "")
                         for rate, res in r["rates"].items())
         notes.append(f"{n}: ready in {r.get('ready_s', float('nan')):.1f} s; {per}; load average "
                      f"{', '.join(f'{x:.1f}' for x in r['load_avg_start'])} -> "
                      f"{', '.join(f'{x:.1f}' for x in r['load_avg_end'])}; other processes used "
-                     f"{r['foreign_cpu']['mean']:.2f} cores on average, {r['foreign_cpu']['max']:.2f} at most (5 s samples)")
+                     f"{r['foreign_cpu']['mean']:.2f} cores on average, {r['foreign_cpu']['max']:.2f} at most "
+                     f"(5 s samples)")
         for rate, res in r["rates"].items():
             for e in res["first_errors"]:
                 notes.append(f"  {n} rate {rate:g} error: {e}")

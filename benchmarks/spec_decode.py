@@ -67,7 +67,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs = {}
-    for name, llm in engines.items():   # warm-up
+    for llm in engines.values():   # warm-up
         timed(llm, batch, params)
     stats = engines["ngram"].engine.speculative_stats()
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)

@@ -75,8 +75,9 @@ def main() -> None:
     llm = LLM(max_model_len=512, max_num_seqs=B, max_num_batched_tokens=4096)
     tok = llm.get_tokenizer()
     schemas = [make_schema(i) for i in range(B)]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"A JSON object with {', '.join(s['properties'])}."}],
-                                       add_generation_prompt=True, tokenize=False) for s in schemas]
+    prompts = [tok.apply_chat_template(
+                   [{"role": "user", "content": f"A JSON object with {', '.join(s['properties'])}."}],
+                   add_generation_prompt=True, tokenize=False) for s in schemas]
     build = Timer(SamplingState, "_grammar_bitmask")
     apply = Timer(sampler_mod, "apply_token_bitmask")
 

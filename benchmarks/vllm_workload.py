@@ -18,7 +18,6 @@ import time
 from shared_workloads import workloads
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", required=True)

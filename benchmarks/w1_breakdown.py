@@ -93,7 +93,7 @@ def replay_table(llm, repeats: int = 20) -> str:
     lines = []
     for B in sorted({min(graphs), max(graphs)} if graphs else ()):
         totals: dict[str, float] = defaultdict(float)
-        for name, args, us in replay_profile(lib, graphs[B].replay, repeats):
+        for name, _args, us in replay_profile(lib, graphs[B].replay, repeats):
             totals[name.removeprefix("pr_")] += us
         lines.append(f"  graph {B:3d}: {sum(totals.values()):8.0f} us = " + ", ".join(
             f"{k} {v:.0f}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1])))

@@ -27,7 +27,8 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Where the weights come from and how they are held."""
 
-    model: str | None = Field(default=None, description="Local Hugging Face folder or .gguf file; None: embedded default")
+    model: str | None = Field(
+        default=None, description="Local Hugging Face folder or .gguf file; None: embedded default")
     dtype: DType = "auto"
     quantization: Literal["gguf"] | None = Field(
         default=None, description="vLLM's `quantization`: None runs a quantized checkpoint (GGUF) quantized when the "

@@ -9,10 +9,22 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from polyrunner.beam_search import BeamSearchOutput, beam_search
-from polyrunner.chat_utils import (ChatTemplateContentFormat, conversations_of, format_content, render_kwargs,
-                                   resolve_content_format)
-from polyrunner.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig,
-                               SpeculativeConfig)
+from polyrunner.chat_utils import (
+    ChatTemplateContentFormat,
+    conversations_of,
+    format_content,
+    render_kwargs,
+    resolve_content_format,
+)
+from polyrunner.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from polyrunner.engine.llm_engine import LLMEngine, Prompt
 from polyrunner.llm_args import check_no_effect_args, note_trust_remote_code
 from polyrunner.outputs import RequestOutput
@@ -68,8 +80,9 @@ class LLM:
         check_no_effect_args({k: v for k, v in kwargs.items() if k not in runner_fields},
                              [*inspect.signature(LLM.__init__).parameters, *runner_fields])
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len, seed=seed,
-                              tokenizer=tokenizer, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode),
+            model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
+                              seed=seed, tokenizer=tokenizer, max_logprobs=max_logprobs,
+                              logprobs_mode=logprobs_mode),
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               memory_utilization=gpu_memory_utilization,
                               num_blocks_override=num_gpu_blocks_override,

@@ -109,6 +109,7 @@ __all__ = [
     # environment variables and the cache folder
     "declare", "cache_root",
     # stream graphs (CUDA-like device modules)
-    "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "graph_token_sizes", "profiled_kv_budget",
+    "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "graph_token_sizes",
+    "profiled_kv_budget",
     "pinned_upload", "async_to_host", "worst_case_profile",
 ]

@@ -5,8 +5,16 @@ import os
 
 import torch
 
-from polyrunner.plugin_api import (Availability, Backend, BucketPolicy, Capabilities, GraphExecutor,
-                                   exponential_sizes, hookimpl, reference_paged_attention)
+from polyrunner.plugin_api import (
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    GraphExecutor,
+    exponential_sizes,
+    hookimpl,
+    reference_paged_attention,
+)
 
 PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (checked at registration)
 

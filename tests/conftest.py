@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 # Tiny test models are dominated by per-op overhead; one intra-op thread avoids
 # OpenMP barrier stalls when the machine is shared (a 2-core CI box).
@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from markers import MODULE_MARKERS  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]
@@ -68,3 +69,10 @@ def tiny_model_factory(tmp_path_factory):
         return cache[kind]
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers by module (tests/markers.py), so `make test-fast` can leave the slow modules out."""
+    for item in items:
+        for marker in MODULE_MARKERS.get(item.module.__name__.rpartition(".")[2], ()):
+            item.add_marker(marker)

@@ -177,6 +177,7 @@ def test_serve_positional_model_with_vllm_flags(tiny_model_factory, tmp_path):
     """Done-means: `polyrunner serve MODEL_DIR --gpu-memory-utilization 0.5 --no-enable-prefix-caching
     --block-size 32` starts and answers; --tokenizer and --chat-template reach the chat endpoint."""
     import httpx
+
     from processes import serve_process
     folder, hf = tiny_model_factory("llama")
     tok = _word_tokenizer(tmp_path / "tok", hf.config.vocab_size)

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from polyrunner.attention.reference import reference_paged_attention, write_kv
-from polyrunner.device.backend import Availability, Capabilities, GraphExecutor
 from polyrunner.backends.cpu.plugin import CPUBackend
+from polyrunner.device.backend import Availability, Capabilities, GraphExecutor
 from polyrunner.device.buckets import BucketPolicy, exponential_sizes
-from polyrunner.tools.conformance import run_conformance
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.manager import unregister
+from polyrunner.tools.conformance import run_conformance
 
 
 class _Plugin:

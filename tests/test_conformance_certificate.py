@@ -12,10 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrunner.tools.conformance.certificate import (ISA_FLAGS, SCHEMA_VERSION, collect_environment, cpu_info,
-                                                      device_libraries)
-from polyrunner.tools.conformance.framework import (GROUPS, Check, CheckResult, Report, _validate_prerequisites,
-                                                    all_checks, blocked_by)
+from polyrunner.tools.conformance.certificate import (
+    ISA_FLAGS,
+    SCHEMA_VERSION,
+    collect_environment,
+    cpu_info,
+    device_libraries,
+)
+from polyrunner.tools.conformance.framework import (
+    GROUPS,
+    Check,
+    CheckResult,
+    Report,
+    _validate_prerequisites,
+    all_checks,
+    blocked_by,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +79,7 @@ def _installed(distribution: str) -> str | None:
 def test_device_libraries_default_to_the_extra_named_after_the_backend():
     """Built-ins declare nothing: the plugin distribution's extra named after the backend
     names them (polyrunner[xla] -> torch_xla), installed or not."""
-    from packaging.requirements import Requirement   # a dependency of pytest
+    from packaging.requirements import Requirement  # a dependency of pytest
     requires = [Requirement(r) for r in importlib.metadata.requires("polyrunner") or []]
     for backend in ("xla", "npu", "cuda"):
         want = [r.name for r in requires if r.marker is not None and f'extra == "{backend}"' in str(r.marker)

@@ -34,11 +34,13 @@ def test_cli_cpu_backend_passes(tmp_path, capsys):
     assert {r["group"] for r in data["results"]} == set(GROUPS)
     # the certificate: what was tested where
     import torch
+
     from polyrunner.tools.conformance.certificate import SCHEMA_VERSION, cpu_info
     assert data["schema_version"] == SCHEMA_VERSION
     assert data["versions"] == {"polyrunner": importlib.metadata.version("polyrunner"),
                                 "torch": torch.__version__, "python": platform.python_version()}
-    assert data["plugin"]["distribution"] == "polyrunner" and data["plugin"]["module"] == "polyrunner.backends.cpu.plugin"
+    assert (data["plugin"]["distribution"] == "polyrunner"
+            and data["plugin"]["module"] == "polyrunner.backends.cpu.plugin")
     assert data["device_libraries"] == [] and data["device"].startswith("cpu")
     assert data["host"]["cpu_flags"] == (cpu_info()[1] if sys.platform.startswith("linux") else [])
     assert data["date"].endswith("Z") and data["command"]

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from polyrunner.tools.conformance import format_report, run_conformance
 from polyrunner.plugins import register
 from polyrunner.plugins.manager import backend_classes, unregister
+from polyrunner.tools.conformance import format_report, run_conformance
 
 SRC = Path(__file__).resolve().parents[1] / "examples" / "custom_device_plugin" / "src"
 
@@ -51,6 +51,7 @@ def test_example_plugin_passes_conformance(cpu_paged):
 
 def test_example_kv_layout_is_heads_major(cpu_paged):
     import torch
+
     from polyrunner.device.kv_spec import KVCacheSpec
     from polyrunner_cpu_paged import kv_layout
     spec = KVCacheSpec(num_layers=1, block_size=4, num_kv_heads=3, head_size=8, dtype=torch.float32)

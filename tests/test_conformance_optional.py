@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from polyrunner.tools.conformance.context import ConformanceContext
-from polyrunner.tools.conformance.framework import (GROUPS, PASSED, SKIPPED, Check, Report, all_checks, check,
-                                                    run_check)
+from polyrunner.tools.conformance.framework import GROUPS, PASSED, SKIPPED, Check, Report, all_checks, check, run_check
 from polyrunner.tools.conformance.report import format_report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,8 +14,14 @@ from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.attention import cpu_paged_attention
-from tolerances import (assert_close_ulp, assert_detects_errors, assert_linear_close, attention_reference,
-                        rms_norm_reference, unit_roundoff)
+from tolerances import (
+    assert_close_ulp,
+    assert_detects_errors,
+    assert_linear_close,
+    attention_reference,
+    rms_norm_reference,
+    unit_roundoff,
+)
 
 
 def _batch(rng, *, num_decodes, num_prefills, block_size, num_blocks, max_blocks, pad_tokens=0,
@@ -108,8 +114,7 @@ def test_kernel_decode_all_requests_with_padding(cpu_kernels):
 
 
 # ---- packed weights and the whole model ------------------------------------------
-from polyrunner.backends.cpu.executor import (PackedLinear, ThreadGovernor, pack_linears,  # noqa: E402
-                                              packing_supported)
+from polyrunner.backends.cpu.executor import PackedLinear, ThreadGovernor, pack_linears, packing_supported  # noqa: E402
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
                                    reason="oneDNN bfloat16 packing unavailable on this CPU")
@@ -174,7 +179,7 @@ def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
     folder, _ = tiny_model_factory(kind)
     model, arch = _tiny_model(folder, reference_paged_attention, torch.float32)
     parts = list(model.replaceable_modules())
-    for role, parent, name, module in parts:
+    for _, parent, name, module in parts:
         assert getattr(parent, name) is module
     by_role = {role: [m for r, _, _, m in parts if r == role] for role in {r for r, *_ in parts}}
     assert set(by_role) == {"linear", "rms_norm", "gated_mlp", "rotary"}
@@ -194,7 +199,7 @@ def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory, cpu_k
     model, arch = _tiny_model(folder, cpu_paged_attention, torch.bfloat16)
     CPUExecutor(model, executor_config())
     want = {"linear": PackedLinear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
-    for role, parent, name, module in model.replaceable_modules():
+    for role, _, name, module in model.replaceable_modules():
         assert type(module) is want[role], (role, name)
     assert type(model.embed_tokens) is torch.nn.Embedding
     rotaries = {id(layer.self_attn.rotary) for layer in model.layers} | {id(model.rotary)}
@@ -341,18 +346,19 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
                 f"{where}: max {float(err_fast.max()):.4g} vs {float(err_ref.max()):.4g}"
 
 
-@pytest.mark.parametrize("H,I", [(96, 160), (100, 100)])  # (100, 100): the vector loops' scalar tails
-def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, I):
+@pytest.mark.parametrize("H,inter", [(96, 160), (100, 100)])  # (100, 100): the vector loops' scalar tails
+def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, inter):
     """The fused norm and the fused silu(gate) * up, like the model's own modules, within their
     roundings of float64 (the two implementations may differ from each other by 2 ulps: see
     test_cpu_kernels_fast.test_fused_add_rms_norm_matches_module); FusedMLP is the model's
     gate_up projection, that kernel and the down projection."""
     import torch.nn.functional as F
+
     from polyrunner.backends.cpu.executor import FusedMLP, FusedRMSNorm
     from polyrunner.models.arch import DecoderArch
     from polyrunner.models.llama import DecoderMLP, RMSNorm
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(H * 1000 + I)
+    g = torch.Generator().manual_seed(H * 1000 + inter)
     norm = RMSNorm(H, 1e-5).to(torch.bfloat16)
     norm.weight.data = (torch.randn(H, generator=g) * 0.3 + 1.0).to(torch.bfloat16)
     x = (torch.randn(37, H, generator=g) * 3).to(torch.bfloat16)
@@ -360,17 +366,17 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, I):
     for inp in (x, xq):
         ref, bound = rms_norm_reference(inp, norm.weight, 1e-5)
 
-        def check(y):
+        def check(y, ref=ref, bound=bound):
             assert_close_ulp(y, ref, torch.bfloat16, ulps=1, abs_err=bound)
 
         check(norm(inp))
         assert_detects_errors(check, FusedRMSNorm(norm)(inp))
     arch = DecoderArch.from_hf_config(dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=H,
-                                           intermediate_size=I, num_hidden_layers=1, num_attention_heads=2,
+                                           intermediate_size=inter, num_hidden_layers=1, num_attention_heads=2,
                                            num_key_value_heads=2, max_position_embeddings=64))  # head_dim even
     mlp = DecoderMLP(arch).to(torch.bfloat16)
     gate_up = mlp.gate_up_proj(x)
-    gate, up = gate_up.double().split(I, dim=-1)
+    gate, up = gate_up.double().split(inter, dim=-1)
     # bfloat16(silu(gate)) * up rounded: silu in float32 (exp to 2^-20, an add, a division), two roundings
     want = gate * torch.sigmoid(gate) * up
     h_bound = want.abs() * (unit_roundoff(torch.bfloat16) + 2.0 ** -20 + 4 * unit_roundoff(torch.float32))
@@ -378,7 +384,7 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, I):
     def check_h(h):
         assert_close_ulp(h, want, torch.bfloat16, ulps=1, abs_err=h_bound)
 
-    check_h(F.silu(gate_up[:, :I]) * gate_up[:, I:])   # the module's own
+    check_h(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])   # the module's own
     h = kernels.silu_mul_bf16(gate_up)
     assert_detects_errors(check_h, h)
     out = FusedMLP(mlp)(x)

@@ -146,10 +146,10 @@ def test_fused_elementwise_kernels_split_rows_on_the_pool(cpu_kernels, T: int) -
     steps, `thread_pool.h` `for_rows`). Rows are independent, so every split gives one thread's bits."""
     from polyrunner.models.rotary import RotaryEmbedding
     g = torch.Generator().manual_seed(T)
-    H, I, Hq, Hk, D = 576, 1536, 9, 3, 64
+    H, inter, Hq, Hk, D = 576, 1536, 9, 3, 64
     x, res = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16)
     w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
-    gate_up = (torch.randn(T, 2 * I, generator=g) * 2).to(torch.bfloat16)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 2).to(torch.bfloat16)
     qk = torch.randn(T, Hq + Hk, D, generator=g).to(torch.bfloat16)
     positions = torch.randint(0, 2048, (T,), generator=g)
     rotary = RotaryEmbedding(D, 2048, 10000.0, None)

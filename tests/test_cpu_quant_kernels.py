@@ -26,7 +26,8 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from polyrunner.backends.cpu import kernels, quant_linear as ql  # noqa: E402
+from polyrunner.backends.cpu import kernels  # noqa: E402
+from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402 - after importorskip
 from tolerances import assert_close_ulp, assert_detects_errors, gamma  # noqa: E402
 
 QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
@@ -164,7 +165,8 @@ def test_quant_linear_module_decode_and_prefill_paths(qtype):
         want = torch.from_numpy(ref) + bias.double()
         bound = torch.from_numpy(bound) + gamma(K + 9) * bias.double().abs()   # + the bias add
         # int8 activations: the worst case is ~10% of a typical output here, so a 20% error must fail
-        assert_detects_errors(lambda y: assert_close_ulp(y, want, torch.float32, ulps=1, abs_err=bound), mod(x),
+        assert_detects_errors(lambda y, want=want, bound=bound: assert_close_ulp(y, want, torch.float32, ulps=1,
+                                                                                 abs_err=bound), mod(x),
                               rel=0.2)
     x3 = torch.randn(2, 5, K, generator=g)
     assert mod(x3).shape == (2, 5, N)

@@ -31,9 +31,10 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from polyrunner import LLM, SamplingParams  # noqa: E402
-from polyrunner.backends.cpu import kernels, quant_linear as ql  # noqa: E402
-from polyrunner.models.gguf.quantized import select_quantization  # noqa: E402
+from polyrunner import LLM, SamplingParams
+from polyrunner.backends.cpu import kernels
+from polyrunner.backends.cpu import quant_linear as ql
+from polyrunner.models.gguf.quantized import select_quantization
 
 PROMPTS = [
     "The capital of France is",

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from polyrunner.attention.batched import STATIC_DECODE, paged_decode, sdpa_paged_attention
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.attention.batched import STATIC_DECODE, paged_decode, sdpa_paged_attention
-from polyrunner.device.graphs import (GraphAPI, GraphBucketPolicy, StaticGraphExecutor,
-                                             graph_bucket_policy)
 from polyrunner.backends.cuda.plugin import CUDABackend
 from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from polyrunner.device.graphs import GraphAPI, GraphBucketPolicy, StaticGraphExecutor, graph_bucket_policy
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance.tiny_llama import write_tiny_llama as conformance_tiny_llama

@@ -191,6 +191,7 @@ def test_triton_attention_graphs_one_key_per_batch_size(tiny_llama):
 def test_attention_falls_back_to_sdpa_with_a_warning(monkeypatch, caplog):
     import importlib.util as iu
     import logging
+
     from polyrunner.attention.batched import sdpa_paged_attention
     from polyrunner.backends.cuda import plugin
     real = iu.find_spec

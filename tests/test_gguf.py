@@ -29,11 +29,14 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from polyrunner.models.gguf import cache as gguf_cache, loader as gguf_loader, partial, tensors as gguf_tensors  # noqa: E402
+from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
+from polyrunner.models.gguf import cache as gguf_cache  # noqa: E402
+from polyrunner.models.gguf import loader as gguf_loader  # noqa: E402 - after importorskip
+from polyrunner.models.gguf import partial  # noqa: E402 - after importorskip
+from polyrunner.models.gguf import tensors as gguf_tensors  # noqa: E402 - after importorskip
 from polyrunner.models.gguf.cache import cached_gguf_folder  # noqa: E402
 from polyrunner.models.gguf.loader import GGUFError, convert_gguf  # noqa: E402
-from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [
     "Hello world",
@@ -125,7 +128,8 @@ def _encode_tensor(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> 
 
 def _train_bpe(kind: str):
     """A small trained vocabulary: byte-level (GPT-2 style) or SentencePiece-style (▁ + byte fallback)."""
-    from tokenizers import Tokenizer as HFTok, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers, trainers
 
     if kind == "bpe":
         tok = HFTok(models.BPE())
@@ -820,7 +824,8 @@ def test_conversion_and_loading_say_what_they_do(small_file, tmp_path, monkeypat
     text = "\n".join(r.getMessage() for r in caplog.records)
     for pattern in (r"converting .*m\.gguf \(\d+ MB\) -> .*cache", r"converted m\.gguf in \d+\.\d s",
                     r"dequantizing \d+ tensors into .*model\.float32\.safetensors",
-                    r"loading \d+ tensors \(0 run quantized, \d+ dense in float32\)", r"loaded \d+ tensors in \d+\.\d s"):
+                    r"loading \d+ tensors \(0 run quantized, \d+ dense in float32\)",
+                    r"loaded \d+ tensors in \d+\.\d s"):
         assert re.search(pattern, text), pattern
     capfd.readouterr()
     caplog.clear()

@@ -58,7 +58,8 @@ def test_prefill_logits_match_transformers(tiny_model_factory, kind):
     runner = llm.engine.runner
     captured = []
     run = runner.executor.run
-    runner.executor.run = lambda inputs: captured.append((run(inputs), inputs.attn.num_actual_tokens)) or captured[-1][0]
+    runner.executor.run = (
+        lambda inputs: captured.append((run(inputs), inputs.attn.num_actual_tokens)) or captured[-1][0])
     prompts = _prompts(n=3, seed=1)
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1),
                  use_tqdm=False)

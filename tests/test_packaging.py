@@ -57,8 +57,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 
 from polyrunner.backends import diagnose  # noqa: E402
-from polyrunner.backends.supported_versions import (STACKS, TORCH_REQUIREMENT, TORCH_TESTED,  # noqa: E402
-                                                    torch_for)
+from polyrunner.backends.supported_versions import STACKS, TORCH_REQUIREMENT, TORCH_TESTED, torch_for  # noqa: E402
 
 
 def _pyproject() -> dict:

@@ -25,8 +25,6 @@ from polyrunner.sample import (
 from polyrunner.sampling_params import SamplingParams
 from tolerances import assert_close_ulp, log_softmax_reference
 
-
-
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 MAX_LEN = 32

@@ -19,8 +19,6 @@ import torch
 from polyrunner.sample import Sampler, SamplingState
 from polyrunner.sampling_params import SamplingParams
 
-
-
 V = 20
 N = 20_000
 LOGITS = np.random.default_rng(2024).normal(scale=1.2, size=V).astype(np.float32)

@@ -12,15 +12,14 @@ updated (its tokens still in flight), and the same invariants hold.
 import random
 
 import numpy as np
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyrunner.config import SchedulerConfig
 from polyrunner.engine.kv_manager import KVCacheManager, cdiv
 from polyrunner.engine.request import Request, RequestStatus
-from polyrunner.sampling_params import SamplingParams
 from polyrunner.engine.scheduler import Scheduler
+from polyrunner.sampling_params import SamplingParams
 from scheduler_driver import drive
 
 MAX_MODEL_LEN = 128

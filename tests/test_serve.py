@@ -355,7 +355,9 @@ def test_bad_requests_get_4xx_while_a_stream_carries_on(srv, allm):
     while not allm.num_running and time.monotonic() < deadline:
         time.sleep(0.005)
 
-    post = lambda body, path="/v1/completions", **kw: httpx.post(srv.url + path, json=body, **kw)
+    def post(body, path="/v1/completions", **kw):
+        return httpx.post(srv.url + path, json=body, **kw)
+
     ok = {"model": MODEL, "prompt": "Hello"}
     _error(httpx.post(url, content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
            400, None, "JSON")

@@ -19,8 +19,7 @@ from processes import serve_process
 
 pytest.importorskip("gguf")
 
-from test_serve import (  # noqa: E402,F401 - fixtures reused: allm (smol, engine process), slow_tiny
-    MODEL, ServerThread, _error, _ids_body, allm, parse_sse, slow_tiny, wait_idle)
+from test_serve import MODEL, ServerThread, _error, _ids_body, allm, parse_sse, slow_tiny, wait_idle  # noqa: F401 - fixtures reused: allm (smol, engine process), slow_tiny
 
 FOUR_MB = 4 << 20
 

@@ -80,7 +80,7 @@ def test_stream_grows_and_ends_like_generate(llm, requests):
 
 @pytest.mark.parametrize("stop_after", [0, 1, 3])
 def test_breaking_out_early_frees_every_block(llm, requests, stop_after):
-    for i, out in enumerate(llm.generate_stream(PROMPTS, requests)):
+    for i, _ in enumerate(llm.generate_stream(PROMPTS, requests)):
         assert llm.engine.kv.num_held_blocks() > 0
         if i == stop_after:
             break

@@ -26,9 +26,9 @@ from polyrunner.tools.serve.api_server import build_app
 pytest.importorskip("xgrammar")
 pytest.importorskip("gguf")
 
-from polyrunner.structured.compile_pool import GrammarCompilePool  # noqa: E402
-from polyrunner.structured.compiler import GrammarCompiler  # noqa: E402
-from test_serve import ServerThread, wait_idle  # noqa: E402
+from polyrunner.structured.compile_pool import GrammarCompilePool
+from polyrunner.structured.compiler import GrammarCompiler
+from test_serve import ServerThread, wait_idle
 
 MODEL = "smol"
 REGEX = r"[A-Z]{2}-\d{3}"

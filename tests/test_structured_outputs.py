@@ -22,7 +22,7 @@ from polyrunner.sampling_params import SamplingParamsError, StructuredOutputsPar
 pytest.importorskip("xgrammar")
 pytest.importorskip("gguf")
 
-from test_async_scheduling import DeferredCopyCPU, DeferredCopyPaddedCPU  # noqa: E402
+from test_async_scheduling import DeferredCopyCPU, DeferredCopyPaddedCPU
 
 NUM_SCHEMAS = 50
 MAX_TOKENS = 128

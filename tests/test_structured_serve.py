@@ -18,7 +18,7 @@ from polyrunner.tools.serve.api_server import build_app
 pytest.importorskip("xgrammar")
 pytest.importorskip("gguf")
 
-from test_serve import ServerThread  # noqa: E402
+from test_serve import ServerThread
 
 MODEL = "smol"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population", "tags"],

@@ -188,6 +188,7 @@ def test_torchrun_style_ranks_over_loopback(tiny_model_factory, reference):
 def test_an_engine_process_runs_tensor_parallel_and_leaves_nothing(tiny_model_factory, reference):
     """`polyrunner serve --tensor-parallel-size 2`: the engine process starts its own worker."""
     import asyncio
+
     from polyrunner.engine.async_llm import AsyncLLM
     folder = tiny_model_factory("mistral")[0]
     before = children()

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from tolerances import (assert_close_ulp, assert_detects_errors, assert_linear_close, attention_reference,
-                        dot_error_bound, gamma, log_softmax_reference, ulp, unit_roundoff)
+from tolerances import (
+    assert_close_ulp,
+    assert_detects_errors,
+    assert_linear_close,
+    attention_reference,
+    dot_error_bound,
+    gamma,
+    log_softmax_reference,
+    ulp,
+    unit_roundoff,
+)
 
 
 def test_ulp_and_unit_roundoff_values():
@@ -39,7 +48,7 @@ def test_one_rounding_is_within_one_ulp_and_perturbations_fail():
         assert_close_ulp(rounded, exact, ulps=0.501)   # half an ulp (torch rounds float64 via float32)
         with pytest.raises(AssertionError, match="beyond"):
             assert_close_ulp(rounded, exact, ulps=0.2)    # not vacuous: some elements are ~half an ulp off
-        assert_detects_errors(lambda y: assert_close_ulp(y, exact, dtype, ulps=1), rounded)   # 1% and sign
+        assert_detects_errors(lambda y, dtype=dtype: assert_close_ulp(y, exact, dtype, ulps=1), rounded)   # 1% and sign
     wrong = exact.to(torch.bfloat16).double()
     wrong[1234] *= 1.01                                      # a single element 1% off
     with pytest.raises(AssertionError, match=r"1 of 10000 elements beyond.*worst at \(1234,\)"):

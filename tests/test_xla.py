@@ -185,6 +185,7 @@ def test_unsupported_sampling_is_rejected(xla_llm, params):
 def test_strict_mode_raises_with_shapes(xla_llm):
     """A shape no bucket covers is compiled on demand and, in strict mode, refused."""
     import torch
+
     from polyrunner.backends.xla.executor import RecompilationError
     ex = xla_llm.engine.runner.executor
     dev = xla_llm.engine.backend.device
@@ -199,6 +200,7 @@ def test_pallas_layout_with_the_reference_kernel():
     Pallas kernel itself needs a TPU and is unverified)."""
     import torch
     from torch_xla.experimental.custom_kernel import _ragged_paged_attention_nonkernel
+
     from polyrunner.backends.xla import pallas
     from test_xla_buckets import _paged_case
     from tolerances import assert_close_ulp, attention_reference

@@ -1,4 +1,7 @@
-"""Environment variables of the CPU backend (declared through `polyrunner.envs`, which imports no torch; listed in the README)."""
+"""Environment variables of the CPU backend.
+
+Declared through `polyrunner.envs`, which imports no torch; listed in the README.
+"""
 
 from __future__ import annotations
 

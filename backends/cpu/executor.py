@@ -47,11 +47,20 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import envs, kernel_table, kernels, threads
+from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
-from polyrunner.backends.cpu.graphs import CPUGraphAPI
-from polyrunner.plugin_api import (BucketPolicy, GraphAPI, GraphBucketPolicy, ModelInputs, Sampler, SamplerOutput,
-                                   SamplingMetadata, StaticGraphExecutor, graph_token_sizes)
+from polyrunner.plugin_api import (
+    BucketPolicy,
+    GraphAPI,
+    GraphBucketPolicy,
+    ModelInputs,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    StaticGraphExecutor,
+    graph_token_sizes,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -112,7 +112,9 @@ class _Vet(TorchDispatchMode):
         return out
 
 
-def replay_profile(lib: ctypes.CDLL, replay: Callable[[], None], repeats: int = 20) -> list[tuple[str, list[int], float]]:
+def replay_profile(
+    lib: ctypes.CDLL, replay: Callable[[], None], repeats: int = 20
+) -> list[tuple[str, list[int], float]]:
     """A diagnostic: `(kernel name, its recorded arguments, mean microseconds)` for each
     call of a captured graph (`replay`, from `CPUGraphAPI.capture`), over `repeats` replays."""
     records = replay.records

@@ -158,6 +158,12 @@ def time_in_turns(calls: dict[str, Callable[[], object]], per_call: dict[str, in
     return best
 
 
+def _call_each(fn: Callable, x: torch.Tensor, packed: list[torch.Tensor], N: int) -> None:
+    """`fn(x, p, N, None)` for each packed layer `p` in turn (one timed pass of `measure`)."""
+    for p in packed:
+        fn(x, p, N, None)
+
+
 def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence[int], hint: int) -> Times:
     """us per call of each of `kernels_` at each of `rows` for one shape (`weights`: its layers,
     bfloat16 [N, K], taken in turn up to `STREAM_BYTES`), by `time_in_turns`. A kernel `GIVE_UP`
@@ -172,7 +178,7 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
     for M in rows:
         x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
         use = {k: packed[k] if M <= STREAM_ROWS else packed[k][:2] for k in alive}
-        best = time_in_turns({k: (lambda fn=runner(k), ps=use[k]: [fn(x, p, N, None) for p in ps]) for k in alive},
+        best = time_in_turns({k: functools.partial(_call_each, runner(k), x, use[k], N) for k in alive},
                              {k: len(use[k]) for k in alive})
         fastest = min(best.values())
         for k in list(alive):

@@ -13,9 +13,15 @@ from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.host_memory import prefault_in_background
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
-from polyrunner.plugin_api import (NULL_BLOCK, Availability, Backend, BucketPolicy, Capabilities, graph_bucket_policy,
-                                   hookimpl)
-
+from polyrunner.plugin_api import (
+    NULL_BLOCK,
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    graph_bucket_policy,
+    hookimpl,
+)
 
 DEFAULT_KV_CAP = 4 << 30
 

@@ -126,7 +126,8 @@ def measured_isa(qtype: str, blocks: torch.Tensor, shape: tuple[int, int], r8: b
         for M in MEASURE_ROWS:
             x = torch.randn(M, shape[1], generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
             at_m = kernel_table.time_in_turns(
-                {i: (lambda i=i: [quant_matmul(qtype, blocks, shape[1], x, None, i, lib, r8) for _ in range(calls)])
+                {i: (lambda i=i, x=x: [quant_matmul(qtype, blocks, shape[1], x, None, i, lib, r8)
+                                       for _ in range(calls)])
                  for i in isas}, dict.fromkeys(isas, calls))
             for i, t in at_m.items():
                 best[i][M] = t

@@ -39,16 +39,16 @@ import torch
 from polyrunner.backends.cuda import envs
 from polyrunner.backends.diagnose import check_pinned, cuda_torch_fix, find_compiler
 from polyrunner.plugin_api import (
+    AttentionMetadata,
     Availability,
     Backend,
     BucketPolicy,
     Capabilities,
     GraphExecutor,
     HostFuture,
+    LayerSpec,
     StaticGraphExecutor,
     TorchGraphAPI,
-    AttentionMetadata,
-    LayerSpec,
     async_to_host,
     graph_bucket_policy,
     hookimpl,

@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from polyrunner.plugin_api import AttentionMetadata, LayerSpec
-
 from polyrunner.backends.cuda.triton_kv_write import triton_write_kv
+from polyrunner.plugin_api import AttentionMetadata, LayerSpec
 
 TILE_SIZE = 32                # keys per inner step (>= 16 for tl.dot)
 SEGMENTS = 16                 # key segments per request in split decode

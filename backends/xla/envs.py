@@ -1,4 +1,7 @@
-"""Environment variables of the XLA backend (declared through `polyrunner.envs`, which imports no torch; listed in the README)."""
+"""Environment variables of the XLA backend.
+
+Declared through `polyrunner.envs`, which imports no torch; listed in the README.
+"""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ import torch
 from tqdm.auto import tqdm
 
 from polyrunner.backends.xla import envs
-from polyrunner.plugin_api import BucketPolicy, GraphExecutor, ModelInputs, SamplerOutput, SamplingMetadata
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,
     STOP_WIDTH,
@@ -45,6 +44,7 @@ from polyrunner.backends.xla.sampling import (
     sample_random,
     topk_logprobs,
 )
+from polyrunner.plugin_api import BucketPolicy, GraphExecutor, ModelInputs, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 

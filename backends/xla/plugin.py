@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from polyrunner.backends.xla import envs
 from polyrunner.backends.diagnose import Runtime, check_library, installed_version
 from polyrunner.backends.supported_versions import STACKS
+from polyrunner.backends.xla import envs
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 from polyrunner.plugin_api import (
     NULL_BLOCK,

@@ -36,10 +36,10 @@ from typing import Any, Callable
 
 import torch
 
+from polyrunner.attention.batched import STATIC_DECODE
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
-from polyrunner.attention.batched import STATIC_DECODE
 
 logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512

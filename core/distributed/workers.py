@@ -198,7 +198,7 @@ def worker_main(rank: int, size: int, local_rank: int, init_method: str, config:
     if log_level is not None:
         from polyrunner.logging_setup import configure_logging
         configure_logging(log_level)
-    from polyrunner.engine.model_setup import build_tp_rank   # heavy imports in the worker only
+    from polyrunner.engine.model_setup import build_tp_rank  # heavy imports in the worker only
     from polyrunner.plugins.manager import register_runtime_plugins
 
     try:

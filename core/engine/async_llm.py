@@ -438,8 +438,8 @@ class AsyncLLM:
             prompt = stream.prompt
             text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
             ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
-            return RequestOutput(stream.request_id, text, ids, outputs=[CompletionOutput(0, "", [], finish_reason="abort")],
-                                 finished=True)
+            return RequestOutput(stream.request_id, text, ids,
+                                 outputs=[CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
         outs = [c if c.finished() else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
         return dataclasses.replace(last, outputs=outs, finished=True)
 

@@ -190,7 +190,7 @@ def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when the engine stops
     from polyrunner.logging_setup import configure_logging
     configure_logging(log_level)   # the frontend's level for polyrunner's records
-    from polyrunner.llm import LLM   # the heavy imports happen in the child only
+    from polyrunner.llm import LLM  # the heavy imports happen in the child only
 
     try:
         engine = LLM(**llm_kwargs).engine

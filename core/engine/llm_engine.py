@@ -25,19 +25,19 @@ from typing import Any
 import numpy as np
 
 from polyrunner.config import EngineConfig
-from polyrunner.engine.kv_manager import KVCacheManager, cdiv
 from polyrunner.distributed.launch import start_tensor_parallel
 from polyrunner.distributed.workers import TPDriverRunner
+from polyrunner.engine.kv_manager import KVCacheManager, cdiv
 from polyrunner.engine.model_setup import load_runner
 from polyrunner.engine.output_processor import OutputProcessor
+from polyrunner.engine.request import Request, RequestStatus
+from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
+from polyrunner.engine.tokenizer import Tokenizer
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import get_plugin_manager, select_backend
-from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.runner.async_output import AsyncModelRunnerOutput
 from polyrunner.runner.model_runner import ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
-from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
-from polyrunner.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,8 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = params.model_copy(update={"n": 1, "seed": None if params.seed is None else params.seed + i})
+                child_params = params.model_copy(
+                    update={"n": 1, "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text, priority=priority)
             if params.bad_words:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from polyrunner.engine.detokenizer import IncrementalDetokenizer, decode_token
-from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from polyrunner.engine.request import Request, RequestStatus
+from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from polyrunner.device.backend import Backend
     from polyrunner.config import EngineConfig
+    from polyrunner.device.backend import Backend
 
 PROJECT = "polyrunner"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -36,8 +36,8 @@ from polyrunner.distributed.logits import GatherLogits
 from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.models.arch import DecoderArch
 from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
-from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
 from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
+from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
 from polyrunner.runner.states import RequestStates
 from polyrunner.sample import SamplingState, compute_prompt_logprobs
 from polyrunner.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -102,7 +102,8 @@ class ModelRunner:
             num_blocks = self.backend.num_kv_blocks(self.kv_spec, budget)
         if num_blocks < 2:
             raise ValueError(
-                f"KV cache budget holds {num_blocks} blocks of {self.kv_spec.page_size_bytes * self.kv_spec.num_layers} "
+                f"KV cache budget holds {num_blocks} blocks of "
+                f"{self.kv_spec.page_size_bytes * self.kv_spec.num_layers} "
                 "bytes; at least 2 are needed: raise kv_cache_memory_bytes")
         if agree is not None:
             num_blocks = agree(num_blocks)

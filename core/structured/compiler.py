@@ -62,7 +62,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
                  cache_size: int = 256, max_threads: int = 2) -> None:
         xgr = import_xgrammar()
-        from transformers import PreTrainedTokenizerFast   # an xgrammar dependency
+        from transformers import PreTrainedTokenizerFast  # an xgrammar dependency
 
         backend = getattr(tokenizer, "backend", tokenizer)   # our Tokenizer or a tokenizers.Tokenizer
         hf = tokenizer if isinstance(tokenizer, PreTrainedTokenizerFast) else \

@@ -7,8 +7,13 @@ import logging
 import sys
 import time
 
-from polyrunner.tools.engine_args import (HelpFormatter, add_chat_template_arg, add_engine_args, engine_kwargs,
-                                          load_chat_template)
+from polyrunner.tools.engine_args import (
+    HelpFormatter,
+    add_chat_template_arg,
+    add_engine_args,
+    engine_kwargs,
+    load_chat_template,
+)
 
 
 def _make_llm(args: argparse.Namespace):

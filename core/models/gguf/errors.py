@@ -3,7 +3,6 @@ cannot be imported (`gguf_import_error`), which is never reported as a bad file.
 
 from __future__ import annotations
 
-
 _PIP_NAMES = {"yaml": "pyyaml"}  # import name -> distribution name, where they differ
 
 
@@ -25,7 +24,8 @@ def gguf_import_error(exc: ImportError) -> ImportError:
         msg = f"reading GGUF files needs the gguf package, which is not installed: pip install gguf ({exc})"
     else:
         msg = (f"the gguf package (version {version}) needs {missing}, which cannot be imported: "
-               f"pip install {_PIP_NAMES.get(missing.split('.')[0], missing.split('.')[0])} (or a newer gguf: pip install -U gguf) ({exc})")
+               f"pip install {_PIP_NAMES.get(missing.split('.')[0], missing.split('.')[0])} "
+               f"(or a newer gguf: pip install -U gguf) ({exc})")
     err = ImportError(msg, name=missing)
     err.__cause__ = exc
     return err

@@ -61,7 +61,7 @@ def read_index(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / TENSORS_FILE
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
-        index["tensors"], index["source"]   # noqa: B018 (the keys every reader needs)
+        index["tensors"], index["source"]   # the keys every reader needs (KeyError when one is missing)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise GGUFError(f"{path}: unreadable tensor index ({type(exc).__name__}: {exc}); "
                         "convert the GGUF file again (pass the .gguf file as the model)") from None

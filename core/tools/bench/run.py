@@ -69,7 +69,8 @@ def run_workload(llm, w: Workload, repeats: int = 3) -> dict[str, Any]:
     wall = statistics.median(walls)
     res: dict[str, Any] = dict(
         runner="polyrunner" + ("-eager" if llm.engine.config.runner.enforce_eager else ""),
-        workload=w.name, dtype=str(llm.engine.dtype).removeprefix("torch."), wall_s=wall, walls=walls, output_tokens=ntok, prompt_tokens=w.prompt_tokens,
+        workload=w.name, dtype=str(llm.engine.dtype).removeprefix("torch."), wall_s=wall, walls=walls,
+        output_tokens=ntok, prompt_tokens=w.prompt_tokens,
         output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall, step_tokens=steps,
         first_tokens=tokens[0][:16])
     if w.name == "w2":

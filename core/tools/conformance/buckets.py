@@ -98,7 +98,7 @@ def check_pad_covers_every_legal_batch(ctx) -> str:
     for label, mns, mnbt, p in _policies(ctx):
         tb, rb = set(p.token_buckets), set(p.request_buckets)
 
-        def visit(T, R, Tp, Rp):
+        def visit(T, R, Tp, Rp, label=label, tb=tb, rb=rb):   # (bound now: called within this pass)
             expect(Tp >= T, f"[{label}] pad({T}, {R}) = ({Tp}, {Rp}): token bucket {Tp} < {T} tokens")
             expect(Rp >= R, f"[{label}] pad({T}, {R}) = ({Tp}, {Rp}): request bucket {Rp} < {R} requests")
             for axis, got, real, buckets in (("token", Tp, T, tb), ("request", Rp, R, rb)):
@@ -115,7 +115,7 @@ def check_padding_within_bound(ctx) -> str:
     """Padding never exceeds the policy's own `max_padding` bound."""
     worst = 0
     for label, mns, mnbt, p in _policies(ctx):
-        def visit(T, R, Tp, Rp):
+        def visit(T, R, Tp, Rp, label=label, p=p):   # (bound now: called within this pass)
             nonlocal worst
             for axis, got, real in (("tokens", Tp, T), ("requests", Rp, R)):
                 bound = p.max_padding(real, axis)
@@ -133,7 +133,7 @@ def check_pad_monotonic_and_stable(ctx) -> str:
     (so warmed-up shapes are the shapes served)."""
     for label, mns, mnbt, p in _policies(ctx):
         seen: dict[tuple[int, int], tuple[int, int]] = {}
-        _pad_all(ctx, label, mns, mnbt, p, lambda T, R, Tp, Rp: seen.__setitem__((T, R), (Tp, Rp)))
+        _pad_all(ctx, label, mns, mnbt, p, lambda T, R, Tp, Rp, seen=seen: seen.__setitem__((T, R), (Tp, Rp)))
         for (T, R), (Tp, Rp) in seen.items():
             for nxt in ((T + 1, R), (T, R + 1)):
                 if nxt in seen:

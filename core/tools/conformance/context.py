@@ -123,11 +123,13 @@ class ConformanceContext:
     @cached_property
     def arch(self):
         import json
+
         from polyrunner.models.arch import DecoderArch
         return DecoderArch.from_hf_config(json.loads((self.model_dir / "config.json").read_text()))
 
     def kv_spec(self, block_size: int | None = None, dtype=None):
         import torch
+
         from polyrunner.device.kv_spec import KVCacheSpec
         a = self.arch
         return KVCacheSpec(a.num_layers, block_size or self.settings.block_size, a.num_kv_heads,
@@ -144,8 +146,14 @@ class ConformanceContext:
         """An EngineConfig for the tiny model. `overrides`: flat names of the
         sub-config fields (max_num_seqs, block_size, kv_cache_memory_bytes, ...).
         `adjust`: a backend instance whose plugins' `polyrunner_adjust_config` is applied."""
-        from polyrunner.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RunnerConfig,
-                                       SchedulerConfig)
+        from polyrunner.config import (
+            CacheConfig,
+            EngineConfig,
+            ModelConfig,
+            ParallelConfig,
+            RunnerConfig,
+            SchedulerConfig,
+        )
         s = self.settings
         o = dict(overrides)
         cfg = EngineConfig(

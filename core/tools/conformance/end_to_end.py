@@ -120,5 +120,8 @@ def check_async_scheduling_same_tokens(ctx) -> str:
             f"({preempted} preemptions, budget {asynchronous.config.scheduler.max_num_batched_tokens})")
 
 
-from polyrunner.tools.conformance import structured_outputs  # noqa: E402,F401  (registers its end_to_end check)
-from polyrunner.tools.conformance import speculative  # noqa: E402,F401  (registers its end_to_end check)
+# Last, in this order: their end_to_end checks run after this module's (checks run in definition order).
+# isort: off
+from polyrunner.tools.conformance import structured_outputs  # noqa: E402,F401  (registers its check)
+from polyrunner.tools.conformance import speculative  # noqa: E402,F401  (registers its check)
+# isort: on

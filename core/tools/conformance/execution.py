@@ -14,6 +14,7 @@ from polyrunner.tools.conformance.compare import close
 from polyrunner.tools.conformance.context import generate
 from polyrunner.tools.conformance.framework import ENGINE_RUNS, PADS, check, expect, fail
 
+
 @check("execution", requires=("counts_graphs",), depends_on=ENGINE_RUNS)
 def check_no_new_graphs_after_warmup(ctx) -> str:
     """After warm-up, a stream of random batch shapes compiles no new graph."""
@@ -69,10 +70,11 @@ def bucket_samples(policy, mnbt: int, mns: int, limit: int, rng) -> list[tuple[i
                 continue
             cells.append((tb, rb, tlo, thi, rlo, rhi))
     if len(cells) > limit:
-        keep = {0, len(cells) - 1} | set(rng.choice(np.arange(1, len(cells) - 1), size=limit - 2, replace=False).tolist())
+        keep = {0, len(cells) - 1} | set(
+            rng.choice(np.arange(1, len(cells) - 1), size=limit - 2, replace=False).tolist())
         cells = [c for i, c in enumerate(cells) if i in keep]
     out = []
-    for tb, rb, tlo, thi, rlo, rhi in cells:
+    for _tb, _rb, tlo, thi, rlo, rhi in cells:
         if thi > rlo:                       # a mixed batch: T > R
             R = int(rng.integers(rlo, min(rhi, thi - 1) + 1))
             out.append((int(rng.integers(max(tlo, R + 1), thi + 1)), R, "mixed"))
@@ -148,7 +150,8 @@ def check_attention_matches_reference(ctx) -> str:
     ref = reference_paged_attention(q, k, v, ref_caches[layer], meta, layer_spec)
     T = step.num_tokens
     got = out.cpu()
-    expect(tuple(got.shape) == tuple(q.shape), f"attention returned shape {tuple(got.shape)}, expected {tuple(q.shape)}")
+    expect(tuple(got.shape) == tuple(q.shape),
+           f"attention returned shape {tuple(got.shape)}, expected {tuple(q.shape)}")
     ok, err, bound = close(got[:T], ref[:T], spec.dtype)
     expect(ok, f"attention output of the {T} real tokens differs from the reference by {err:.3g} (> {bound:.3g})")
     return f"max |diff| {err:.2g}"

@@ -4,6 +4,8 @@ land in the right block and offset; padded tokens write only the null block."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -32,7 +34,8 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int | None:
 
 
 def _check_layers(ctx, backend, spec, num_blocks: int, caches, label: str) -> None:
-    expect(isinstance(caches, (list, tuple)), f"{label}: allocate_kv_cache returned {type(caches).__name__}, not a list")
+    expect(isinstance(caches, (list, tuple)),
+           f"{label}: allocate_kv_cache returned {type(caches).__name__}, not a list")
     expect(len(caches) == spec.num_layers, f"{label}: {len(caches)} tensors for {spec.num_layers} layers")
     want = spec.layer_shape(num_blocks)
     for i, t in enumerate(caches):
@@ -99,7 +102,7 @@ def check_budget(ctx) -> str:
     for budget in budgets:
         cfg = ctx.make_config(kv_cache_memory_bytes=budget, adjust=backend)
         calls = []
-        got = backend.kv_cache_budget(cfg, 0, lambda: calls.append(1))
+        got = backend.kv_cache_budget(cfg, 0, functools.partial(calls.append, 1))
         expect(got == budget, f"kv_cache_budget returned {got} bytes with kv_cache_memory_bytes={budget}")
         expect(len(calls) <= 1, f"kv_cache_budget ran the profile {len(calls)} times")
         n = backend.num_kv_blocks(spec, budget)

@@ -65,7 +65,8 @@ def format_report(report: Report, verbose: bool = False) -> str:
     n = len(report.results)
     if failed or blocked:
         lines.append(f"FAILED: {len(failed)} of {n} checks failed"
-                     + (f", {len(blocked)} blocked by {'it' if len(failed) == 1 else 'them'}" if blocked else "") + f", in {report.seconds:.1f}s "
+                     + (f", {len(blocked)} blocked by {'it' if len(failed) == 1 else 'them'}" if blocked else "")
+                     + f", in {report.seconds:.1f}s "
                      f"(groups: {', '.join(g for g in GROUPS if g in report.failed_groups())})")
         lines += [f"  {r.id}: {r.outcome}: {r.detail}" for r in failed]
     else:

@@ -29,7 +29,7 @@ def write_tiny_llama(folder: str | Path, seed: int = 0, std: float = 0.08, dtype
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = dict(TINY_LLAMA, **overrides, torch_dtype=dtype)
-    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    H, inter, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or H // heads
     gen = torch.Generator().manual_seed(seed)
@@ -48,9 +48,9 @@ def write_tiny_llama(folder: str | Path, seed: int = 0, std: float = 0.08, dtype
             p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, H),
             p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, H),
             p + "self_attn.o_proj.weight": rand(H, heads * head_dim),
-            p + "mlp.gate_proj.weight": rand(I, H),
-            p + "mlp.up_proj.weight": rand(I, H),
-            p + "mlp.down_proj.weight": rand(H, I),
+            p + "mlp.gate_proj.weight": rand(inter, H),
+            p + "mlp.up_proj.weight": rand(inter, H),
+            p + "mlp.down_proj.weight": rand(H, inter),
             p + "input_layernorm.weight": norm(H),
             p + "post_attention_layernorm.weight": norm(H),
         })

@@ -28,6 +28,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotAcceptingError
 from polyrunner.engine.engine_loop import sequences
 from polyrunner.sampling_params import SamplingParams
@@ -37,8 +40,6 @@ from polyrunner.tools.serve.formats import ChatFormat, CompletionFormat, sse
 from polyrunner.tools.serve.guard import Guard
 from polyrunner.tools.serve.metrics import ServerMetrics
 from polyrunner.tools.serve.offload import Offload
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 

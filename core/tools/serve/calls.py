@@ -15,11 +15,12 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
+
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.tools.serve import protocol as P
-from pydantic import BaseModel
 
 
 def json_response(model: BaseModel | dict, status: int = 200, headers: dict | None = None) -> Response:

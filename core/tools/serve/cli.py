@@ -14,9 +14,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from polyrunner.tools.engine_args import (
+    HelpFormatter,
+    add_chat_template_arg,
+    add_engine_args,
+    engine_kwargs,
+    load_chat_template,
+)
 from polyrunner.tools.serve import envs
-from polyrunner.tools.engine_args import (HelpFormatter, add_chat_template_arg, add_engine_args, engine_kwargs,
-                                          load_chat_template)
 
 
 def add_parser(subparsers) -> None:
@@ -65,8 +70,7 @@ def default_model_name(model: str | None) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from polyrunner.engine.async_llm import AsyncLLM
-    from polyrunner.tools.serve.api_server import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                                                   build_app)
+    from polyrunner.tools.serve.api_server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, build_app
     from polyrunner.tools.serve.launcher import make_server, run_server
 
     chat_template = load_chat_template(args.chat_template)   # a bad path fails before the model loads

@@ -7,10 +7,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
 from polyrunner.outputs import CompletionOutput
 from polyrunner.tools.serve import protocol as P
 from polyrunner.tools.serve.calls import Call, Event
-from pydantic import BaseModel
 
 logger = logging.getLogger(__name__)
 

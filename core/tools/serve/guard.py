@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hmac
 
-from polyrunner.tools.serve import protocol as P
 from pydantic import BaseModel
+
+from polyrunner.tools.serve import protocol as P
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})   # answered without the API key
 

@@ -22,7 +22,6 @@ from pydantic_core import from_json
 from polyrunner.sampling_params import SamplingParams, SamplingParamsError
 from polyrunner.structured import StructuredOutputsParams
 
-
 MAX_REPORTED_ERRORS = 5       # a 400 names at most this many invalid fields or elements
 
 

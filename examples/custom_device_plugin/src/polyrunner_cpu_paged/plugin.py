@@ -23,9 +23,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from polyrunner.plugin_api import (Availability, Backend, BucketPolicy, Capabilities, GraphExecutor, ModelInputs,
-                                   exponential_sizes, hookimpl)
-
+from polyrunner.plugin_api import (
+    Availability,
+    Backend,
+    BucketPolicy,
+    Capabilities,
+    GraphExecutor,
+    ModelInputs,
+    exponential_sizes,
+    hookimpl,
+)
 from polyrunner_cpu_paged import kv_layout
 
 logger = logging.getLogger(__name__)
