@@ -12,7 +12,8 @@ what it must keep true, like pytest's hookspecs. When the core calls what:
   module import time: a missing library is `Availability(False, "<reason>")`;
 - engine start-up, in this order: `capabilities`, `resolve_dtype` (dtype
   "auto" only) and `check_dtype`; `device` (the model is loaded there);
-  `bucket_policy`; `make_executor`; `kv_cache_budget` (runs one max-size
+  `make_executor`; `bucket_policy` (after the executor: a policy may depend on
+  what the executor made); `kv_cache_budget` (runs one max-size
   dummy step) and `num_kv_blocks`; `allocate_kv_cache`; `GraphExecutor.prepare`
   (capture / compile / warm up every bucket);
 - each step: `host_attention_extras`, `to_device` (every input array),
@@ -186,7 +187,7 @@ class Backend:
 
     name: REQUIRED, unique across plugins; what `backend=` selects.
     priority: OPTIONAL; without `backend=`, the available backend with the
-      highest priority runs (cpu 0, xla 20, npu 30, cuda 40).
+      highest priority runs (cpu 0, xla 20, npu 90, cuda 100).
     capabilities: OPTIONAL, see `Capabilities`.
     kv_alignment_bytes: OPTIONAL; each layer's KV allocation is a multiple of
       this (e.g. Ascend's 2 MiB); `num_kv_blocks` budgets with it.
