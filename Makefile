@@ -8,7 +8,7 @@ STAMP := $(VENV)/.polyrunner-installed
 # name where they differ): `make test` runs the conformance suite once more with all of them
 # hidden (.ci/hide_packages), as after a plain `pip install polyrunner`.
 # tests/test_conformance_optional.py keeps this list in step with pyproject.toml.
-OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py,ruff
+OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py,ruff,mypy
 
 .PHONY: setup demo lint test test-fast test-xla bench clean
 
@@ -27,9 +27,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# ruff: pyflakes, pycodestyle errors, isort, bugbear (pyproject.toml [tool.ruff]); CI runs it first
+# ruff: pyflakes, pycodestyle errors, isort, bugbear (pyproject.toml [tool.ruff]); mypy --strict on the
+# packages [tool.mypy] names (.ci/typecheck.sh); CI runs both first
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	PY=$(PY) bash .ci/typecheck.sh
 
 # the suite without the slow modules (tests/markers.py): under 3 minutes on 2 cores
 test-fast: $(STAMP)

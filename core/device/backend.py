@@ -25,8 +25,9 @@ what it must keep true, like pytest's hookspecs. When the core calls what:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, cast
 
 import numpy as np
 import torch
@@ -110,6 +111,12 @@ class ModelInputs:
     logits_indices: torch.Tensor   # [R_pad] int64: rows of the hidden states to sample
 
 
+def model_compute_logits(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's `compute_logits(hidden) -> logits` (torch types a module's other attributes as
+    `Tensor | Module`)."""
+    return cast(Callable[[torch.Tensor], torch.Tensor], model.compute_logits)
+
+
 class GraphExecutor:
     """Runs the model on padded batches; the base class runs eagerly. Made once
     per engine by `Backend.make_executor`; a backend whose device captures or
@@ -131,7 +138,8 @@ class GraphExecutor:
         """OPTIONAL; each step, under `Backend.no_grad()`. The final hidden states
         `[T_pad, hidden]` of the padded batch; they must equal eager execution of
         the same batch (rows of padded tokens are ignored)."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+        hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+        return hidden
 
     def num_graphs(self) -> int | None:
         """OPTIONAL; read by checks and benchmarks. Graphs compiled or captured so
@@ -154,7 +162,7 @@ class GraphExecutor:
         sampled rows: row i < num_reqs belongs to batch row i (hidden row
         `inputs.logits_indices[i]`). A static-shape executor may return all
         `R_pad` padded rows (the extra rows are ignored)."""
-        return self.model.compute_logits(self.logit_rows(hidden, inputs, num_reqs))
+        return model_compute_logits(self.model)(self.logit_rows(hidden, inputs, num_reqs))
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """OPTIONAL; each step, after `compute_logits`. One token per row (and the
@@ -329,7 +337,7 @@ class Backend:
         on the token padding only."""
         return {}
 
-    def no_grad(self):
+    def no_grad(self) -> AbstractContextManager[Any]:
         """OPTIONAL; each step and dummy run. The grad-free context every forward
         runs under (inference_mode by default; a device whose tracer cannot take
         inference tensors returns no_grad)."""

@@ -32,7 +32,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -40,6 +40,9 @@ from polyrunner.attention.batched import STATIC_DECODE
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
+
+if TYPE_CHECKING:
+    from polyrunner.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
@@ -68,7 +71,7 @@ def _up(buckets: list[int], n: int) -> int:
     return buckets[i] if i < len(buckets) else n
 
 
-def graph_token_sizes(config) -> list[int]:
+def graph_token_sizes(config: EngineConfig) -> list[int]:
     """The token counts decode graphs are captured for under `config` (`runner.token_buckets`, else
     vLLM's decode capture sizes), whether or not enforce_eager turns graphs off."""
     sched = config.scheduler
@@ -78,7 +81,7 @@ def graph_token_sizes(config) -> list[int]:
     return sorted(set(config.runner.token_buckets or sizes))
 
 
-def graph_bucket_policy(config, max_size: int | None = None) -> BucketPolicy:
+def graph_bucket_policy(config: EngineConfig, max_size: int | None = None) -> BucketPolicy:
     """Decode capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager.
     `max_size`: the largest batch the backend's graphs can take (larger ones run unpadded)."""
     if config.runner.enforce_eager:
@@ -124,7 +127,7 @@ class TorchGraphAPI(GraphAPI):
     def pool(self) -> Any:
         return self.mod.graph_pool_handle()
 
-    def capture(self, fn, pool):
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
         graph = getattr(self.mod, self.graph_class)()
         with self.mod.graph(graph, pool=pool):
             out = fn()
@@ -153,7 +156,10 @@ class _Static:
     def like(cls, inputs: ModelInputs) -> "_Static":
         m = inputs.attn
         B = inputs.input_ids.shape[0]
-        z = lambda t, n=B: torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)  # noqa: E731
+
+        def z(t: torch.Tensor, n: int = B) -> torch.Tensor:
+            return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+
         return cls(z(inputs.input_ids), z(inputs.positions), z(m.slot_mapping), z(m.seq_lens),
                    z(m.block_tables), z(m.query_start_loc, B + 1), z(m.token_to_req))
 
@@ -216,7 +222,7 @@ class StaticGraphExecutor(GraphExecutor):
     reserved_bytes: int = 0  # the pool estimate the KV budget left free (pool_reserve_bytes)
     disabled_reason: str | None = None
     replays: int = 0
-    eager_steps: Counter = field(default_factory=Counter)
+    eager_steps: Counter[str] = field(default_factory=Counter)
     _static: _Static | None = None
     _kv: list[torch.Tensor] | None = None
     _kv_ptrs: list[int] = field(default_factory=list)
@@ -275,7 +281,9 @@ class StaticGraphExecutor(GraphExecutor):
             return self._capture(inputs, self._capturing)
         B = self._dispatch(inputs)
         if B is None:
-            return self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+            hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+            return hidden
+        assert self._static is not None
         self._static.load(inputs, B, self._width)
         graph = self.graphs[B]
         graph.replay()
@@ -298,7 +306,8 @@ class StaticGraphExecutor(GraphExecutor):
         meta = st.meta(B, W, self._block_size)
 
         def forward() -> torch.Tensor:
-            return self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+            hidden: torch.Tensor = self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+            return hidden
 
         for _ in range(self.num_warmups):
             forward()
@@ -365,7 +374,7 @@ def worst_case_profile(profile: Callable[..., None]) -> Callable[[], None]:
     return (lambda: profile(worst_case=True)) if accepts else profile
 
 
-def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[], None],
+def profiled_kv_budget(mod: Any, config: EngineConfig, weights_bytes: int, profile: Callable[[], None],
                        name: str, reserve: Callable[[float], int] | None = None) -> int:
     """KV bytes = total * memory_utilization - (torch peak incl. weights + non-torch memory
     + reserve), where `profile()` runs the engine's worst steps (the largest batch, the
@@ -392,7 +401,7 @@ def profiled_kv_budget(mod: Any, config, weights_bytes: int, profile: Callable[[
     non_torch = max(0, (total - free) - mod.memory_reserved())
     per_token = (peak - before) / max(1, config.scheduler.max_num_batched_tokens)
     reserved = reserve(per_token) if reserve is not None else 0
-    budget = int(total * config.cache.memory_utilization) - (peak + non_torch + reserved)
+    budget: int = int(total * config.cache.memory_utilization) - (peak + non_torch + reserved)
     logger.info("%s memory: total %.2f GiB x %.2f; weights %.2f GiB, other persistent %.2f GiB, "
                 "profile peak increase %.2f GiB, non-torch %.2f GiB, graph pool reserve %.2f GiB "
                 "-> KV cache %.2f GiB", name,
@@ -425,7 +434,7 @@ def async_to_host(mod: Any, tensor: torch.Tensor, stream: Any = None) -> HostFut
         event.record(stream)
     tensor.record_stream(stream)
 
-    def wait(keep=tensor) -> None:  # holds the device tensor until the copy is done
+    def wait(keep: torch.Tensor = tensor) -> None:  # holds the device tensor until the copy is done
         event.synchronize()
 
     return HostFuture(host, wait=wait)

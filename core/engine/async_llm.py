@@ -40,18 +40,23 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from polyrunner import envs
-from polyrunner.engine.engine_loop import CoreCounts, rebuild_error, sequences
+from polyrunner.engine.engine_loop import Command, CoreCounts, Event, rebuild_error, sequences
 from polyrunner.engine.engine_process import EngineProcess
 from polyrunner.engine.engine_thread import EngineThread
 from polyrunner.outputs import CompletionOutput, RequestOutput
 from polyrunner.sampling_params import SamplingParams
 
+if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays light
+    from polyrunner.engine.llm_engine import LLMEngine
+    from polyrunner.engine.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 Prompt = str | dict[str, Any]
+StreamItem: TypeAlias = RequestOutput | BaseException   # what a RequestStream's queue holds
 
 
 class EngineDeadError(RuntimeError):
@@ -111,7 +116,7 @@ class RequestStream:
         self.request_id = request_id
         self.prompt = prompt
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.timings = RequestTimings(time.monotonic())
         self.last: RequestOutput | None = None     # engine thread only
         self.done = False                           # consumer side: the final item was read
@@ -156,6 +161,8 @@ class AsyncLLM:
     then owns it).
     """
 
+    _core: EngineProcess | EngineThread
+
     def __init__(self, model: str | None = None, backend: str | None = None, *,
                  engine_process: bool | None = None, **llm_kwargs: Any) -> None:
         if engine_process is None:
@@ -174,7 +181,7 @@ class AsyncLLM:
         return cls(**llm_kwargs)
 
     @classmethod
-    def from_engine(cls, engine) -> AsyncLLM:
+    def from_engine(cls, engine: LLMEngine) -> AsyncLLM:
         self = cls.__new__(cls)
         self._setup()
         self._core = EngineThread(engine, self._on_report, self._die)
@@ -184,7 +191,7 @@ class AsyncLLM:
     def _setup(self) -> None:
         self._cv = threading.Condition(threading.RLock())
         self._streams: dict[str, RequestStream] = {}
-        self._outbox: list[tuple] = []        # commands held back by `batch()`
+        self._outbox: list[Command] = []      # commands held back by `batch()`
         self._batch_depth = 0
         self._adds_sent = 0                   # sequences submitted (n per request), cumulative
         self._accepting = True
@@ -194,9 +201,9 @@ class AsyncLLM:
 
     # ---- what callers read ---------------------------------------------------------
     @property
-    def engine(self):
+    def engine(self) -> LLMEngine:
         """The `LLMEngine` (engine in a thread only: a process's engine is not reachable)."""
-        engine = getattr(self._core, "engine", None)
+        engine: LLMEngine | None = getattr(self._core, "engine", None)
         if engine is None:
             raise AttributeError("the engine runs in its own process (engine_process=True); "
                                  "read AsyncLLM's counts instead")
@@ -207,10 +214,10 @@ class AsyncLLM:
         return isinstance(self._core, EngineProcess)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self._core.info.tokenizer
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer | None:
         return self._core.info.tokenizer
 
     @property
@@ -312,7 +319,7 @@ class AsyncLLM:
             if commands:
                 self._core.submit(commands)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         """Hand one command to the core (held back inside `batch()`). Never under `_cv`:
         the core's report thread needs it."""
         with self._cv:
@@ -361,12 +368,12 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown, timeout)
 
     # ---- reports from the core (its thread) ---------------------------------------------
-    def _on_report(self, events: list[tuple], counts: CoreCounts) -> None:
+    def _on_report(self, events: list[Event], counts: CoreCounts) -> None:
         now = time.monotonic()
         preempted = counts.num_preemptions - self._counts.num_preemptions
         self._counts = counts
         stats = StepStats(counts.num_running, self.num_waiting, preempted)
-        deliveries: list[tuple[RequestStream, Any]] = []
+        deliveries: list[tuple[RequestStream, StreamItem]] = []
         ended: list[RequestStream] = []
         for event in events:
             kind = event[0]
@@ -466,9 +473,9 @@ def _check_picklable(processors: Any) -> None:
                          f"engine runs in its own process: {exc}") from None
 
 
-def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
+def _deliver(items: list[tuple[RequestStream, StreamItem]]) -> None:
     """Hand items to their streams' loops: one thread-safe call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = defaultdict(list)
     for stream, item in items:
         by_loop[stream.loop].append((stream.queue, item))
     for loop, batch in by_loop.items():
@@ -478,6 +485,6 @@ def _deliver(items: list[tuple[RequestStream, Any]]) -> None:
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)

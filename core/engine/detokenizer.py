@@ -49,7 +49,9 @@ Engine use, per request::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Protocol
 
 __all__ = ["IncrementalDetokenizer", "decode_token"]
 
@@ -57,6 +59,17 @@ _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as left context for the first output tokens. A UTF-8
 # character spans at most 4 tokens, so 5 always reach back to a character start.
 _PROMPT_CONTEXT = 5
+
+
+class TokenDecoder(Protocol):
+    """What detokenizing needs of a tokenizer (polyrunner's Tokenizer has it)."""
+
+    @property
+    def all_special_ids(self) -> AbstractSet[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> Sequence[str | None]: ...
 
 
 def _byte_piece(piece: str | None) -> int | None:
@@ -96,7 +109,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: TokenDecoder,
         prompt_token_ids: Sequence[int],
         *,
         skip_special_tokens: bool = True,
@@ -289,7 +302,7 @@ class IncrementalDetokenizer:
         self._pending = ""
 
 
-def decode_token(tokenizer, token_id: int) -> str:
+def decode_token(tokenizer: TokenDecoder, token_id: int) -> str:
     """The text of one token on its own, for `Logprob.decoded_token`.
 
     Keeps a SentencePiece word piece's leading space ("▁Paris" -> " Paris",

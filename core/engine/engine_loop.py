@@ -23,22 +23,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-Command = tuple
-Event = tuple
+from polyrunner.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from polyrunner.engine.llm_engine import LLMEngine
+    from polyrunner.engine.tokenizer import Tokenizer
+
+Command: TypeAlias = tuple[Any, ...]
+Event: TypeAlias = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class CoreInfo:
     """What a frontend needs to know of the engine it talks to."""
 
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     max_model_len: int
     vocab_size: int
 
     @classmethod
-    def of(cls, engine) -> CoreInfo:
+    def of(cls, engine: LLMEngine) -> CoreInfo:
         return cls(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size)
 
 
@@ -67,7 +73,7 @@ class CoreCounts:
                 and self.runner_active == 0)
 
 
-def _spec_counts(engine) -> tuple[int, int, int] | None:
+def _spec_counts(engine: LLMEngine) -> tuple[int, int, int] | None:
     stats = getattr(engine, "speculative_stats", lambda: None)()
     return None if stats is None else (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
 
@@ -105,7 +111,7 @@ class ThreadInbox:
 class EngineLoop:
     """Steps one engine while there is work; see the module docstring."""
 
-    def __init__(self, engine, inbox: Inbox, report: Callable[[list[Event], CoreCounts], None]) -> None:
+    def __init__(self, engine: LLMEngine, inbox: Inbox, report: Callable[[list[Event], CoreCounts], None]) -> None:
         self.engine = engine
         self.inbox = inbox
         self.report = report
@@ -133,7 +139,7 @@ class EngineLoop:
                 events.append(("outputs", outs))
             self.report(events, self.counts())
 
-    def _rejections(self, outs: list, events: list[Event]) -> list:
+    def _rejections(self, outs: list[RequestOutput], events: list[Event]) -> list[RequestOutput]:
         """Report the step's rejected requests (grammar failures) as "rejected", not as outputs."""
         rejected = {rid: error for rid, error in self.engine.rejected}
         for rid, error in rejected.items():

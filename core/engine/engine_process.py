@@ -62,7 +62,7 @@ class EngineProcess:
         self.process.start()
         child_conn.close()
         atexit.register(_stop_at_exit, weakref.ref(self))
-        self._outq: queue.SimpleQueue = queue.SimpleQueue()
+        self._outq: queue.SimpleQueue[list[Command] | None] = queue.SimpleQueue()
         self._stopping = False
         self._on_report, self._on_dead = on_report, on_dead
         try:
@@ -150,7 +150,7 @@ class EngineProcess:
             self._on_dead(exc)
 
 
-def _stop_at_exit(ref: weakref.ref) -> None:
+def _stop_at_exit(ref: weakref.ref[EngineProcess]) -> None:
     core = ref()
     if core is not None and core.process.is_alive():
         core.stop()
@@ -224,7 +224,7 @@ def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) ->
     _send_quietly(conn, ("stopped",))
 
 
-def _send_quietly(conn: Connection, msg: tuple) -> None:
+def _send_quietly(conn: Connection, msg: tuple[Any, ...]) -> None:
     try:
         conn.send(msg)
     except OSError:

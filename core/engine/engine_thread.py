@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from polyrunner.engine.engine_loop import Command, CoreCounts, CoreInfo, EngineLoop, Event, ThreadInbox
+
+if TYPE_CHECKING:
+    from polyrunner.engine.llm_engine import LLMEngine
 
 ReportFn = Callable[[list[Event], CoreCounts], None]
 DeadFn = Callable[[BaseException], None]
@@ -21,7 +25,7 @@ class EngineThread:
     """Runs `EngineLoop` over `engine` in a daemon thread; calls `on_report` after
     every loop turn and `on_dead(exc)` if the loop raises (both in that thread)."""
 
-    def __init__(self, engine, on_report: ReportFn, on_dead: DeadFn) -> None:
+    def __init__(self, engine: LLMEngine, on_report: ReportFn, on_dead: DeadFn) -> None:
         self.engine = engine
         self.info = CoreInfo.of(engine)
         self._inbox = ThreadInbox()

@@ -20,15 +20,16 @@ import itertools
 import logging
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from polyrunner.config import EngineConfig
+from polyrunner.device.backend import Backend
 from polyrunner.distributed.launch import start_tensor_parallel
-from polyrunner.distributed.workers import TPDriverRunner
+from polyrunner.distributed.workers import TPDriver, TPDriverRunner
 from polyrunner.engine.kv_manager import KVCacheManager, cdiv
-from polyrunner.engine.model_setup import load_runner
+from polyrunner.engine.model_setup import LoadedModel, load_runner
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
@@ -36,8 +37,12 @@ from polyrunner.engine.tokenizer import Tokenizer
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import get_plugin_manager, select_backend
 from polyrunner.runner.async_output import AsyncModelRunnerOutput
-from polyrunner.runner.model_runner import ModelRunnerOutput
+from polyrunner.runner.output import ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
+from polyrunner.spec_decode.metrics import SpecDecodingStats
+
+if TYPE_CHECKING:   # imported with the first structured-output request
+    from polyrunner.structured.compile_pool import GrammarCompilePool
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.grammar_pool = None   # GrammarCompilePool, made with the first structured-output request
+        self.grammar_pool: GrammarCompilePool | None = None   # made with the first structured-output request
         self.backend = select_backend(config.runner.backend)
         get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
         self._check_speculative()
@@ -64,7 +69,7 @@ class LLMEngine:
         self.tp_driver = start_tensor_parallel(config, self.backend)   # None: one device
         tp = None if self.tp_driver is None else self.tp_driver.tp
         try:
-            loaded = load_runner(config, self.backend, tp) if tp is None else \
+            loaded: LoadedModel = load_runner(config, self.backend, tp) if self.tp_driver is None else \
                 self.tp_driver.guarded(lambda: load_runner(config, self.backend, tp))
         except BaseException:
             self.shutdown()
@@ -72,7 +77,7 @@ class LLMEngine:
         self.model_folder, self.arch, self.max_model_len = loaded.folder, loaded.arch, loaded.max_model_len
         self.dtype, self.quantization = loaded.dtype, loaded.quantization
         self.tokenizer = Tokenizer.from_folder_or_none(config.model.tokenizer or self.model_folder)
-        self.runner = loaded.runner if tp is None else TPDriverRunner(loaded.runner, self.tp_driver)
+        self.runner = loaded.runner if self.tp_driver is None else TPDriverRunner(loaded.runner, self.tp_driver)
         num_blocks = loaded.num_blocks
         if self.tp_driver is not None:   # the workers stop with the engine (or at exit)
             weakref.finalize(self, _stop_tensor_parallel, self.tp_driver, self.backend)
@@ -104,7 +109,7 @@ class LLMEngine:
                              "steps are precompiled for static shapes, and verification steps (1 + "
                              "num_speculative_tokens logits rows per request) are not among its buckets")
 
-    def speculative_stats(self):
+    def speculative_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding counters (`SpecDecodingStats`: acceptance_rate,
         mean_acceptance_length), or None without speculative decoding."""
         return self.scheduler.spec_stats if self.config.speculative is not None else None
@@ -140,7 +145,7 @@ class LLMEngine:
             ids |= set(self.tokenizer.eos_token_ids)
         return frozenset(ids)
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer (None for a model without one), as vLLM's."""
         return self.tokenizer
 
@@ -171,6 +176,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text, priority=priority)
             if params.bad_words:
+                assert self.tokenizer is not None   # `_validate` checked
                 child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
             children.append(child)
         if params.structured_outputs is not None:
@@ -201,7 +207,8 @@ class LLMEngine:
         top = self.arch.vocab_size - 1
         what = f"prompt_token_ids must be a list of integers in the allowed range [0, {top}]"
         if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu":
-            return ids.tolist()
+            as_list: list[int] = ids.tolist()
+            return as_list
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"{what} (got {type(ids).__name__} {_short(ids)})")
         if all(type(t) is int for t in ids):
@@ -261,6 +268,7 @@ class LLMEngine:
             self.grammar_pool = GrammarCompilePool(
                 LazyGrammarCompiler(self.tokenizer, self.arch.vocab_size, self._eos),
                 self.config.scheduler.grammar_compile_timeout_s)
+        assert params.structured_outputs is not None   # `add_request` checked
         grammar = self.grammar_pool.submit(request_id, params.structured_outputs)
         if grammar is None and wait:
             grammar = self.grammar_pool.result(request_id)
@@ -270,14 +278,17 @@ class LLMEngine:
             if grammar is None:
                 child.status = RequestStatus.WAITING_FOR_FSM
             else:
+                assert child.params.structured_outputs is not None   # a copy of `params`
                 child.params.structured_outputs.compiled = grammar
 
     def _collect_grammars(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; fail those whose grammar failed
         (recorded in `rejected`) and return their outputs."""
+        assert self.grammar_pool is not None   # called only with a pool
         ready, failed = self.grammar_pool.poll()
         for rid, grammar in ready:
             for child in self._grammar_waiters.pop(rid, ()):
+                assert child.params.structured_outputs is not None   # it waited for this grammar
                 child.params.structured_outputs.compiled = grammar
                 self.scheduler.grammar_ready(child)
         if not failed:
@@ -316,6 +327,7 @@ class LLMEngine:
         """Abort a request (all its `n` completions); frees its blocks and slot at once
         (one waiting for its grammar: its compile is cancelled or its result dropped)."""
         if self._grammar_waiters.pop(request_id, None) is not None:
+            assert self.grammar_pool is not None   # waiters come from the pool
             self.grammar_pool.cancel(request_id)
         aborted = [self.scheduler.abort(child) for child in self.outputs.children(request_id)]
         self.runner.remove_requests([r.slot for r in aborted if r is not None and r.slot is not None])
@@ -337,7 +349,7 @@ class LLMEngine:
         grammar failed come first (see the module docstring); with nothing but
         grammars to wait for, the step sleeps up to GRAMMAR_POLL_S for one."""
         self.rejected = []
-        failed = [] if self.grammar_pool is None else self._collect_grammars()
+        failed: list[RequestOutput] = [] if self.grammar_pool is None else self._collect_grammars()
         if self.async_scheduling:
             outs = self._step_async()
         else:
@@ -368,6 +380,7 @@ class LLMEngine:
         if result.num_sampled is None:
             update = self.scheduler.update(so, result.tokens)
         else:
+            assert result.sampled_token_ids is not None   # set with num_sampled
             update = self.scheduler.update(so, result.sampled_token_ids, result.num_sampled,
                                            result.draft_token_ids, result.num_draft_tokens)
         finished = update.finished + failed
@@ -379,7 +392,11 @@ class LLMEngine:
                 finished.append(req)
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)   # wins over length / EOS
         if finished:
-            self.runner.remove_requests([req.slot for req in finished])
+            slots: list[int] = []
+            for req in finished:
+                assert req.slot is not None   # it ran this step
+                slots.append(req.slot)
+            self.runner.remove_requests(slots)
         return self.outputs.outputs_for(update.advanced + failed if failed else update.advanced, finished)
 
     def _fail(self, req: Request, error: str) -> Request:
@@ -390,7 +407,7 @@ class LLMEngine:
         return req
 
 
-def _stop_tensor_parallel(driver, backend) -> None:
+def _stop_tensor_parallel(driver: TPDriver, backend: Backend) -> None:
     """Stop the workers and give the process its share of the host back (idempotent)."""
     driver.shutdown()
     backend.leave_rank()

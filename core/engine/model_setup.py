@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from polyrunner.config import EngineConfig
+from polyrunner.device.backend import Backend
 from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
@@ -58,7 +59,7 @@ def max_model_len(arch: DecoderArch, config: EngineConfig) -> int:
     return wanted or limit
 
 
-def load_runner(config: EngineConfig, backend, tp: TensorParallel | None = None) -> LoadedModel:
+def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | None = None) -> LoadedModel:
     """Load the model (with `tp`: this rank's shard) and make its runner and KV cache; each
     stage is logged at INFO with its time (silent unless logging is configured)."""
     rank = "" if tp is None else f", rank {tp.shard.rank} of {tp.shard.size}"
@@ -94,7 +95,7 @@ def load_runner(config: EngineConfig, backend, tp: TensorParallel | None = None)
     return LoadedModel(folder, hf_config, arch, limit, dtype, quantization, runner, num_blocks)
 
 
-def join_tensor_parallel(config: EngineConfig, backend, rank: int, local_rank: int, init_method: str
+def join_tensor_parallel(config: EngineConfig, backend: Backend, rank: int, local_rank: int, init_method: str
                          ) -> TensorParallel:
     """This process's rank of the group: its device, its shard, the rendezvous."""
     size = config.parallel.tensor_parallel_size

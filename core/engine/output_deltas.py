@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 from polyrunner.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
-Delta = tuple
+Delta: TypeAlias = tuple[Any, ...]
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polyrunner.engine.detokenizer import IncrementalDetokenizer, decode_token
+from polyrunner.engine.detokenizer import IncrementalDetokenizer, TokenDecoder, decode_token
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
@@ -17,7 +17,7 @@ class _Completion:
     detok: IncrementalDetokenizer | None
     logprobs: list[PositionLogprobs] | None
     cumulative_logprob: float | None
-    tokenizer: object | None = None   # decodes Logprob.decoded_token; None with detokenize=False
+    tokenizer: TokenDecoder | None = None   # decodes Logprob.decoded_token; None with detokenize=False
 
 
 @dataclass
@@ -27,13 +27,13 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[str]
     stream: bool = False   # emit every step (else only when finished)
-    tokenizer: object | None = None   # for prompt logprobs' decoded tokens (None: detokenize=False)
+    tokenizer: TokenDecoder | None = None   # for prompt logprobs' decoded tokens (None: detokenize=False)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: set[str] = field(default_factory=set)
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: TokenDecoder | None) -> None:
         self.tokenizer = tokenizer
         self._completions: dict[str, _Completion] = {}
         self._parents: dict[str, _Parent] = {}
@@ -72,6 +72,7 @@ class OutputProcessor:
         parent = self._parents[self._parent_of[req_id]]
         if req_id != parent.children[0]:
             return  # siblings share the prompt
+        assert parent.prompt_logprobs is not None   # rows come only for requests that asked for them
         parent.prompt_logprobs.extend(self.make_logprobs(*row, tokenizer=parent.tokenizer) for row in rows)
 
     def update(self, req: Request, new_ids: list[int],
@@ -79,7 +80,7 @@ class OutputProcessor:
         """Record new tokens of one request; returns a stop string that matched.
         A no-op for requests not in `watched`."""
         c = self._completions[req.request_id]
-        if c.logprobs is not None and logprobs is not None:
+        if c.logprobs is not None and c.cumulative_logprob is not None and logprobs is not None:   # set together
             c.logprobs.append(self.make_logprobs(*logprobs, tokenizer=c.tokenizer))
             c.cumulative_logprob += logprobs[1][0]
         if c.detok is None:
@@ -96,7 +97,7 @@ class OutputProcessor:
         """Record this step's token of each advanced request (detokenize, logprobs);
         returns the (request, stop string) pairs whose text hit a stop string.
         `num_new`: tokens each advanced request got this step (None: one each)."""
-        hits = []
+        hits: list[tuple[Request, str]] = []
         watched = self.watched
         if not watched:
             return hits
@@ -142,7 +143,7 @@ class OutputProcessor:
 
     @staticmethod
     def make_logprobs(token_ids: list[int], logprobs: list[float], rank: int,
-                      tokenizer=None) -> PositionLogprobs:
+                      tokenizer: TokenDecoder | None = None) -> PositionLogprobs:
         """First entry is the sampled (or actual) token with its rank; the rest are top-k.
         `tokenizer`: decodes each token's text (None: `decoded_token` stays None)."""
         entry: PositionLogprobs = {}

@@ -308,7 +308,9 @@ class Scheduler:
         running = self.running
         for i in grow.tolist():
             req = running[i]
-            out.new_block_ids[req.slot] = self.kv.allocate(req, int(take[i]))
+            new = self.kv.allocate(req, int(take[i]))
+            assert req.slot is not None and new is not None   # running: slotted; num_needed blocks are free
+            out.new_block_ids[req.slot] = new
             a.num_blocks[req.slot] = len(self.kv.blocks[req.request_id])
         if drafts is not None and not drafts.any():
             drafts = None
@@ -326,7 +328,8 @@ class Scheduler:
     def _fit_drafts(drafts: np.ndarray, budget: int) -> np.ndarray:
         """Draft tokens per row that fit in `budget`, given in row order."""
         before = np.cumsum(drafts) - drafts
-        return np.clip(budget - before, 0, drafts)
+        fitted: np.ndarray = np.clip(budget - before, 0, drafts)
+        return fitted
 
     def _admit(self, out: SchedulerOutput, budget: int) -> list[tuple[Request, int]]:
         """Admit waiting requests while budget, max_num_seqs and blocks allow;
@@ -341,12 +344,14 @@ class Scheduler:
             if req.slot is None and not self.slots.num_free:
                 # every slot is held, some by preempted requests (priority order can put a
                 # newcomer ahead of them): resume one of those first
-                req = next((r for r in self.waiting if r.slot is not None), None)
-                if req is None:
+                preempted = next((r for r in self.waiting if r.slot is not None), None)
+                if preempted is None:
                     break
+                req = preempted
             resumed = req.slot is not None
             if not resumed:
                 self.slots.assign(req)
+            assert req.slot is not None   # resumed, or assigned just now
             hit = self.kv.take_cached_prefix(req)
             if hit is None:   # its prefix is being computed this step: hit it next step
                 self._undo_admission(req, resumed)

@@ -71,6 +71,7 @@ class SlotArrays:
         that slot's state), its progress reads 0 again."""
         if req._progress is None:
             return
+        assert req.slot is not None   # set with _progress by `assign`
         heapq.heappush(self._free, req.slot)
         req._progress = None
         if len(self._free) == self.num_slots:

@@ -25,10 +25,13 @@ import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import tokenizers
 from tokenizers import AddedToken, processors
+
+if TYPE_CHECKING:   # jinja2 is imported lazily, with the first chat template
+    import jinja2
 
 __all__ = ["Tokenizer"]
 
@@ -166,7 +169,7 @@ class Tokenizer:
             text = _clean_up_tokenization(text)
         return text
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str | None]:
         return [self.backend.id_to_token(int(i)) for i in ids]
 
     def token_to_id(self, token: str) -> int | None:
@@ -278,15 +281,15 @@ class Tokenizer:
 
     def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
         """transformers' `update_post_processor`: `[BOS] $A [EOS]` from the named tokens."""
-        bos, eos = self.bos_token, self.eos_token
-        add_bos = add_bos and bos is not None
-        add_eos = add_eos and eos is not None
-        single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-        pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
+        bos = self.bos_token if add_bos else None   # None: not added
+        eos = self.eos_token if add_eos else None
+        single = f"{(bos + ':0 ') if bos is not None else ''}$A:0{(' ' + eos + ':0') if eos is not None else ''}"
+        pair = (f"{single}{(' ' + bos + ':1') if bos is not None else ''} $B:1"
+                f"{(' ' + eos + ':1') if eos is not None else ''}")
         specials = []
-        if add_bos:
+        if bos is not None:
             specials.append((bos, self.backend.token_to_id(bos)))
-        if add_eos:
+        if eos is not None:
             specials.append((eos, self.backend.token_to_id(eos)))
         self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
@@ -348,14 +351,15 @@ def _mark_final_message(chat: list[dict[str, Any]]) -> str:
         parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
         for part in reversed(parts):
             if isinstance(part, dict) and "text" in part:
-                final = part["text"]
+                final: str = part["text"]
                 part["text"] = final + _CONTINUE_TAG
                 last["content"] = parts
                 return final
         raise ValueError("continue_final_message is set but we could not find any text to continue in the final "
                          "message!")
     last["content"] = content + _CONTINUE_TAG
-    return content
+    text: str = content
+    return text
 
 
 def _cut_at_final_message(rendered: str, final: str) -> str:
@@ -380,7 +384,7 @@ def _clean_up_tokenization(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _compile_template(template: str):
+def _compile_template(template: str) -> jinja2.Template:
     """Compile a chat template in transformers' sandboxed environment (jinja2 imported lazily)."""
     from datetime import datetime
 
@@ -388,14 +392,15 @@ def _compile_template(template: str):
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message):
+    def raise_exception(message: str) -> NoReturn:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         # Jinja's own filter HTML-escapes; transformers' does not.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(fmt):
+    def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])

@@ -32,4 +32,5 @@ class BlockTable:
     def slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """slot = block_table[req, pos // block_size] * block_size + pos % block_size."""
         blocks = self.table[req_indices, positions // self.block_size]
-        return blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        slots: np.ndarray = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        return slots

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT
 from polyrunner.engine.scheduler import SchedulerOutput
@@ -44,7 +45,7 @@ def cumsum_and_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cu, arange
 
 
-def _padded(a: np.ndarray, n: int, fill: int, dtype) -> np.ndarray:
+def _padded(a: np.ndarray, n: int, fill: int, dtype: npt.DTypeLike) -> np.ndarray:
     """`a` (a fresh array, not a view of persistent state) as `dtype`, padded to `n` rows with `fill`."""
     if len(a) == n:
         return a.astype(dtype, copy=False)

@@ -30,7 +30,7 @@ import torch
 
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.config import EngineConfig
-from polyrunner.device.backend import Backend, ModelInputs
+from polyrunner.device.backend import Backend, GraphExecutor, ModelInputs, model_compute_logits
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.distributed.logits import GatherLogits
 from polyrunner.engine.scheduler import SchedulerOutput
@@ -39,7 +39,7 @@ from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
 from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
 from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
 from polyrunner.runner.states import RequestStates
-from polyrunner.sample import SamplingState, compute_prompt_logprobs
+from polyrunner.sample import SamplerOutput, SamplingMetadata, SamplingState, compute_prompt_logprobs
 from polyrunner.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from polyrunner.spec_decode.proposer import Proposer, make_proposer
 
@@ -59,7 +59,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
-        self.executor = backend.make_executor(model, config)
+        self.executor: GraphExecutor | GatherLogits = backend.make_executor(model, config)
         self.buckets = backend.bucket_policy(config)   # after the executor: it may depend on what that made
         self.gather_vocab = gather_vocab
         if gather_vocab is not None:
@@ -207,8 +207,9 @@ class ModelRunner:
         keeps the accepted drafts and one more token. A step with a row that
         reports logprobs samples only each row's first position (drafts rejected)."""
         states = self.states
-        num_drafts = so.num_draft_tokens
-        states.write_drafts(so.slots, so.draft_token_ids, num_drafts)
+        num_drafts, draft_ids = so.num_draft_tokens, so.draft_token_ids
+        assert num_drafts is not None and draft_ids is not None
+        states.write_drafts(so.slots, draft_ids, num_drafts)
         step, inputs = self._prepare(so)
         R = so.num_reqs
         counts = num_drafts.astype(np.int64) + 1
@@ -230,7 +231,7 @@ class ModelRunner:
             self._draft_bitmask(meta, so)
             if meta.max_num_logprobs is None:
                 sampled, num_sampled = rejection_sample(
-                    logits, meta, so.draft_token_ids, num_drafts, self._generators(so, step),
+                    logits, meta, draft_ids, num_drafts, self._generators(so, step),
                     sampling.default_generator)
                 errors = {int(row_of_virtual[v]): msg for v, msg in meta.failed_rows.items()}
                 logprobs = None
@@ -240,7 +241,7 @@ class ModelRunner:
                                               states.num_tokens, step.discard)
                 out = self.executor.sample(logits[first], meta)
                 tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R]
-                sampled = np.full((R, so.draft_token_ids.shape[1] + 1), PLACEHOLDER_TOKEN_ID, np.int64)
+                sampled = np.full((R, draft_ids.shape[1] + 1), PLACEHOLDER_TOKEN_ID, np.int64)
                 sampled[:, 0] = tokens
                 num_sampled = np.ones(R, np.int64)
                 errors, logprobs = meta.failed_rows, out.logprobs
@@ -258,7 +259,7 @@ class ModelRunner:
         self._propose(so, step, result)
         return result
 
-    def _draft_bitmask(self, meta, so: SchedulerOutput) -> None:
+    def _draft_bitmask(self, meta: SamplingMetadata, so: SchedulerOutput) -> None:
         """Structured outputs: each virtual row's mask is the grammar's after the row's
         drafts before it (`StructuredOutputManager.fill_bitmask` with the drafts; the
         metadata's matchers were synced to the kept tokens). A draft the grammar
@@ -266,7 +267,9 @@ class ModelRunner:
         structured = self.states.sampling.structured
         if structured is None or not structured.matchers:
             return
-        drafts = [row[:n] for row, n in zip(so.draft_token_ids.tolist(), so.num_draft_tokens.tolist())]
+        draft_ids, num_drafts = so.draft_token_ids, so.num_draft_tokens
+        assert draft_ids is not None and num_drafts is not None
+        drafts = [row[:n] for row, n in zip(draft_ids.tolist(), num_drafts.tolist())]
         bitmask, rows = structured.fill_bitmask(so.slots, drafts)
         meta.grammar_bitmask = meta.grammar_rows = None
         if rows.size:
@@ -298,6 +301,7 @@ class ModelRunner:
         may &= ~step.discard
         if ((sampling.num_logprobs >= 0) & sampling.occupied).any():
             may[:] = False   # a verification step with a logprobs row would drop every draft
+        assert self.proposer is not None
         k = self.proposer.num_speculative_tokens
         result.draft_token_ids, result.num_draft_tokens = self.proposer.propose(
             states.token_ids, slots, num_tokens, np.where(may, k, 0))
@@ -350,10 +354,13 @@ class ModelRunner:
         if (all_decode and last is not None and not so.new_block_ids
                 and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
             on_device = last[3] is None   # the host ids stay placeholders: the tokens are on the device
-            sampled = np.full(R, PLACEHOLDER, np.int64) if on_device else last[3]
+            sampled = np.full(R, PLACEHOLDER, np.int64) if last[3] is None else last[3]
             step = next_decode_inputs(last[1], sampled, self.block_size)
             if step is not None:
-                fed = prev.sampled[:R].to(torch.int64) if on_device else None
+                fed = None
+                if on_device:
+                    assert prev is not None
+                    fed = prev.sampled[:R].to(torch.int64)
                 inputs = self._to_device(step, last[2], fed)
         if step is None:
             step = prepare_inputs(states, so, T_pad, R_pad)
@@ -367,7 +374,8 @@ class ModelRunner:
         self._decode_ready = all_decode and not step.discard.any()
         return step, inputs
 
-    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor):
+    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
+                ) -> tuple[SamplingMetadata, SamplerOutput, dict[str, list[LogprobRow]]]:
         """(sampling metadata, sampler output, prompt logprobs) of the step, under no_grad."""
         states = self.states
         meta = states.sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
@@ -376,21 +384,25 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
         return meta, out, prompt_lps
 
-    def _logprob_rows(self, so: SchedulerOutput, step: StepInputs, meta) -> list[tuple[int, str, int]]:
+    def _logprob_rows(self, so: SchedulerOutput, step: StepInputs,
+                      meta: SamplingMetadata) -> list[tuple[int, str, int]]:
         """(batch row, request id, logprobs asked) of the rows that report sampled logprobs."""
         states = self.states
+        assert meta.num_logprobs is not None
         rows = np.flatnonzero((meta.num_logprobs >= 0) & ~step.discard)
         out = []
         for r in rows.tolist():
             slot = int(so.slots[r])
-            out.append((r, states.req_ids[slot], int(states.sampling.params[slot].logprobs)))
+            req_id, params = states.req_ids[slot], states.sampling.params[slot]
+            assert req_id is not None and params is not None and params.logprobs is not None
+            out.append((r, req_id, int(params.logprobs)))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs,
                          so: SchedulerOutput) -> dict[str, list[LogprobRow]]:
         """Logprobs of the next prompt token at each prompt position computed this step,
         for the (few) requests that asked for prompt_logprobs."""
-        out = {}
+        out: dict[str, list[LogprobRow]] = {}
         states = self.states
         for slot, done in list(states.prompt_logprobs_done.items()):
             rows = np.flatnonzero(so.slots == slot)
@@ -404,13 +416,15 @@ class ModelRunner:
             last = min(computed + int(so.num_scheduled[row]), num_prompt - 1)
             if last > first:
                 start = int(step.query_start_loc[row]) + first - computed
-                logits = self.model.compute_logits(hidden[start:start + last - first])
+                logits = model_compute_logits(self.model)(hidden[start:start + last - first])
                 if self.gather_vocab is not None:
                     logits = self.gather_vocab(logits)
                 targets = torch.from_numpy(states.token_ids[slot, first + 1:last + 1].astype(np.int64))
-                k = states.sampling.params[slot].prompt_logprobs
+                req_id, params = states.req_ids[slot], states.sampling.params[slot]
+                assert req_id is not None and params is not None and params.prompt_logprobs is not None
+                k = params.prompt_logprobs
                 lists = compute_prompt_logprobs(logits, targets.to(logits.device), k).tolists()
-                out[states.req_ids[slot]] = [lists.row(i) for i in range(last - first)]
+                out[req_id] = [lists.row(i) for i in range(last - first)]
                 done = states.prompt_logprobs_done[slot] = last
             if done >= num_prompt - 1:
                 del states.prompt_logprobs_done[slot]

@@ -57,7 +57,7 @@ class RequestStates:
         for slot, blocks in so.new_block_ids.items():
             table.append_row(slot, blocks)
 
-    def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+    def append(self, slots: np.ndarray, tokens: np.ndarray | int) -> None:
         """One sampled token onto each given (distinct) slot."""
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1

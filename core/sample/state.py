@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
 from polyrunner.sample.metadata import HostSamplingRows, SamplingMetadata
 from polyrunner.sampling_params import SamplingParams, logits_processor_takes_prompt
+
+if TYPE_CHECKING:
+    from polyrunner.structured.manager import StructuredOutputManager
 
 # Per-row host scalars: (attribute, dtype, value of an empty row).
 # top_k stores the vocab size for "off" (filled in __init__).
@@ -76,6 +79,33 @@ class _Static:
 class SamplingState:
     """Sampling parameters of the running requests, one row each."""
 
+    # per-row host scalars, [max_num_reqs] arrays set from `_SCALARS` in __init__
+    occupied: np.ndarray
+    greedy: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    has_penalty: np.ndarray
+    min_tokens: np.ndarray
+    num_logprobs: np.ndarray
+    seeded: np.ndarray
+    seed: np.ndarray
+    has_allowed: np.ndarray
+    has_bias: np.ndarray
+    has_bad_words: np.ndarray
+    has_processors: np.ndarray
+    # per-row Python objects (None: an empty row or not set), from `_OBJECTS` in __init__
+    params: list[SamplingParams | None]
+    stop_ids: list[np.ndarray | None]
+    bias: list[tuple[np.ndarray, np.ndarray] | None]
+    bad_words: list[list[np.ndarray] | None]
+    processors: list[list[tuple[Callable[..., Any], bool]] | None]
+    prompt_ids: list[tuple[int, ...] | None]
+
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
                  default_generator: torch.Generator | None = None,
                  logprobs_mode: str = "raw_logprobs") -> None:
@@ -99,7 +129,7 @@ class SamplingState:
         self._version = 0
         self._static_key: tuple[int, int] | None = None
         self._static: _Static | None = None
-        self.structured = None   # StructuredOutputManager, with the first structured request
+        self.structured: StructuredOutputManager | None = None   # with the first structured request
 
     # ---- row management (called by the runner's RequestStates) ------------
     def add_row(self, row: int, params: SamplingParams, generator: torch.Generator | None,
