@@ -7,7 +7,7 @@ plugin object (for a module plugin, a module-level constant):
 
 It is accepted when its major version equals polyrunner's and its minor version is
 not newer (a minor version only adds OPTIONAL members; a major version changes or
-removes REQUIRED ones). `docs/plugins.md` lists what each version added.
+removes REQUIRED ones). `docs/plugins.md` ("The contract is versioned") states the rule.
 """
 
 from __future__ import annotations

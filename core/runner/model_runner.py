@@ -354,7 +354,7 @@ class ModelRunner:
         if (all_decode and last is not None and not so.new_block_ids
                 and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
             on_device = last[3] is None   # the host ids stay placeholders: the tokens are on the device
-            sampled = np.full(R, PLACEHOLDER, np.int64) if last[3] is None else last[3]
+            sampled = last[3] if last[3] is not None else np.full(R, PLACEHOLDER, np.int64)
             step = next_decode_inputs(last[1], sampled, self.block_size)
             if step is not None:
                 fed = None
