@@ -135,8 +135,10 @@ def model_folder() -> str:
 def polyrunner_dtype(folder: str) -> str:
     """The dtype `dtype="auto"` picks for `folder` on the CPU backend of this machine."""
     from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.config import EngineConfig, ModelConfig
     from polyrunner.models.loader import checkpoint_dtype, read_hf_config
-    dtype, _ = CPUBackend().resolve_dtype(checkpoint_dtype(read_hf_config(folder)))
+    backend = CPUBackend(EngineConfig(model=ModelConfig(model=folder)))
+    dtype, _ = backend.resolve_dtype(checkpoint_dtype(read_hf_config(folder)))
     return str(dtype).removeprefix("torch.")
 
 

@@ -10,8 +10,8 @@ names may move, these names stay. See `docs/plugins.md` for the contract
 (what is REQUIRED or OPTIONAL, when the core calls it, what it must keep
 true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 
-- registration: `hookimpl` (mark `polyrunner_backends`, `polyrunner_models`,
-  `polyrunner_adjust_config`), `register` (run-time registration),
+- registration: `hookimpl` (mark `polyrunner_backends`, `polyrunner_models`),
+  `register` (run-time registration),
   `PLUGIN_API_VERSION` (the contract version: a plugin declares the one it is
   written for as its own `PLUGIN_API_VERSION = "1.0"`; `PluginVersionError` when
   it is missing or not implemented here);

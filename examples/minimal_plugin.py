@@ -49,14 +49,14 @@ class MinimalCPUBackend(Backend):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def bucket_policy(self, config) -> BucketPolicy:
-        s = config.scheduler
+    def bucket_policy(self) -> BucketPolicy:  # self.config: the engine's configuration
+        s = self.config.scheduler
         return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), exponential_sizes(1, s.max_num_seqs))
 
     def attention(self, q, k, v, kv_cache, meta, spec) -> torch.Tensor:
         return reference_paged_attention(q, k, v, kv_cache, meta, spec)
 
-    def make_executor(self, model, config) -> GraphExecutor:
+    def make_executor(self, model) -> GraphExecutor:
         return PaddedEagerExecutor(model)
 
     def memory_info(self) -> tuple[int, int]:  # (free, total) bytes of the memory the KV cache lives in

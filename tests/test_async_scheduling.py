@@ -38,8 +38,8 @@ class DeferredCopyCPU(CPUBackend):
     capabilities = dataclasses.replace(CPUBackend.capabilities, async_scheduling=True)
     events: list[str] = []
 
-    def make_executor(self, model, config):
-        executor = super().make_executor(model, config)
+    def make_executor(self, model):
+        executor = super().make_executor(model)
         run = executor.run
 
         def logged(inputs):
@@ -72,8 +72,8 @@ class DeferredCopyPaddedCPU(DeferredCopyCPU):
     name = "cpu-deferred-copy-padded"
     capabilities = dataclasses.replace(DeferredCopyCPU.capabilities, static_shapes=True)
 
-    def bucket_policy(self, config):
-        s = config.scheduler
+    def bucket_policy(self):
+        s = self.config.scheduler
         return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), exponential_sizes(1, s.max_num_seqs))
 
 

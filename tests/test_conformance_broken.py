@@ -68,8 +68,8 @@ class TooSmallBucketBackend(CPUBackend):
     name = "broken_small_bucket"
     priority = -100
 
-    def bucket_policy(self, config):
-        p = _padded_policy(config)
+    def bucket_policy(self):
+        p = _padded_policy(self.config)
         return TooSmallBucketPolicy(p.token_buckets, p.request_buckets)
 
 
@@ -81,8 +81,8 @@ class ShortBucketsBackend(CPUBackend):
     priority = -100
     capabilities = Capabilities(graph_mode="eager", static_shapes=True)
 
-    def bucket_policy(self, config):
-        s = config.scheduler
+    def bucket_policy(self):
+        s = self.config.scheduler
         return BucketPolicy(exponential_sizes(1, max(1, s.max_num_batched_tokens // 2)),
                             list(range(1, s.max_num_seqs + 1)))
 
@@ -115,8 +115,8 @@ class NoNullBlockBackend(CPUBackend):
     priority = -100
     attention = staticmethod(_slots_from_tables)
 
-    def bucket_policy(self, config):
-        return _padded_policy(config)
+    def bucket_policy(self):
+        return _padded_policy(self.config)
 
 
 class StaleReplayExecutor(GraphExecutor):
@@ -138,10 +138,10 @@ class StaleReplayBackend(CPUBackend):
     priority = -100
     capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=True)
 
-    def bucket_policy(self, config):
-        return _padded_policy(config)
+    def bucket_policy(self):
+        return _padded_policy(self.config)
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
         return StaleReplayExecutor(model)
 
 
@@ -165,7 +165,7 @@ class GrowingGraphsBackend(CPUBackend):
     priority = -100
     capabilities = Capabilities(graph_mode="torch_compile", counts_graphs=True)
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
         return LazyCompileExecutor(model)
 
 
@@ -198,7 +198,7 @@ class LeakingBackend(CPUBackend):
     priority = -100
     capabilities = Capabilities(graph_mode="eager")
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
         return LeakingExecutor(model)
 
 
@@ -209,7 +209,7 @@ class SmallLeakExecutor(LeakingExecutor):
 class SmallLeakBackend(LeakingBackend):
     name = "broken_small_leak"
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
         return SmallLeakExecutor(model)
 
 
@@ -227,7 +227,7 @@ class WorkspaceBackend(CPUBackend):
     priority = -100
     capabilities = Capabilities(graph_mode="eager")
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
         return WorkspaceExecutor(model)
 
 
@@ -359,8 +359,8 @@ def test_healthy_variants_of_the_broken_plugins_pass(registered):
         priority = -100
         capabilities = Capabilities(graph_mode="eager", static_shapes=True)
 
-        def bucket_policy(self, config):
-            return _padded_policy(config)
+        def bucket_policy(self):
+            return _padded_policy(self.config)
 
     report = run_conformance(registered(FixedPadded), groups=["buckets", "kv_cache", "execution", "hygiene"])
     assert report.passed, [(r.id, r.detail) for r in report.failures()]

@@ -68,15 +68,12 @@ def test_prefault_skips_tensors_freed_meanwhile():
 @linux
 @pytest.mark.parametrize("prefault", [False, True])
 def test_cpu_backend_prefaults_its_kv_cache_when_asked(monkeypatch, prefault):
-    from types import SimpleNamespace
-
     from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.config import CacheConfig, EngineConfig, ModelConfig
     from polyrunner.device.kv_spec import KVCacheSpec
     started = []
     monkeypatch.setattr("polyrunner.backends.cpu.plugin.prefault_in_background", started.append)
-    monkeypatch.setattr("polyrunner.backends.cpu.plugin.CPUExecutor", lambda model, config: None)
-    backend = CPUBackend()
-    backend.make_executor(None, SimpleNamespace(cache=SimpleNamespace(prefault_kv_cache=prefault)))
+    backend = CPUBackend(EngineConfig(model=ModelConfig(), cache=CacheConfig(prefault_kv_cache=prefault)))
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.bfloat16)
     caches = backend.allocate_kv_cache(spec, num_blocks=3)
     if prefault:

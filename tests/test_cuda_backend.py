@@ -236,12 +236,13 @@ class SimGraphBackend(CPUBackend):
     fail = False
     executor_kwargs: dict = {}
 
-    def bucket_policy(self, config):
-        return graph_bucket_policy(config)
+    def bucket_policy(self):
+        return graph_bucket_policy(self.config)
 
     attention = staticmethod(sdpa_paged_attention)
 
-    def make_executor(self, model, config):
+    def make_executor(self, model):
+        config = self.config
         return StaticGraphExecutor(model, SimGraphAPI(self.fail), max_num_seqs=config.scheduler.max_num_seqs,
                                    enforce_eager=config.runner.enforce_eager, **self.executor_kwargs)
 
@@ -406,7 +407,7 @@ def test_simulated_graph_equals_eager_every_bucket(sim_backend, tiny_llama, back
 def test_cuda_probe_and_primitives():
     av = CUDABackend.probe()
     assert av.available, av.reason
-    be = CUDABackend()
+    be = CUDABackend(_config())
     assert be.device.type == "cuda" and be.default_dtype in (torch.bfloat16, torch.float16)
     x = torch.arange(10, device="cuda")
     fut = be.to_host_async(x * 2)
@@ -422,15 +423,15 @@ def test_cuda_probe_and_primitives():
 
 @needs_cuda
 def test_cuda_kv_budget_formula():
-    be = CUDABackend()
     cfg = _config()
     cfg.cache.memory_utilization = 0.5
+    be = CUDABackend(cfg)
     held = []
-    budget = be.kv_cache_budget(cfg, 0, lambda: held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda")))
+    budget = be.kv_cache_budget(0, lambda: held.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda")))
     free, total = torch.cuda.mem_get_info()
     assert 0 < budget < total * 0.5 - (256 << 20) + (64 << 20)
     cfg.cache.kv_cache_memory_bytes = 12345
-    assert be.kv_cache_budget(cfg, 0, lambda: None) == 12345
+    assert be.kv_cache_budget(0, lambda: None) == 12345
 
 
 @needs_cuda

@@ -98,8 +98,8 @@ class ProfilingSimBackend(SimGraphBackend):
     name = "cpu-simgraph-profile"
     seen: dict = {}
 
-    def kv_cache_budget(self, config, weights_bytes, profile):
-        ex = self._executor
+    def kv_cache_budget(self, weights_bytes, profile):
+        ex = self.executor
         run, sample = ex.run, ex.sample
         seen = ProfilingSimBackend.seen
         seen.clear()
@@ -117,11 +117,7 @@ class ProfilingSimBackend(SimGraphBackend):
             worst_case_profile(profile)()
         finally:
             del ex.run, ex.sample
-        return config.cache.kv_cache_memory_bytes
-
-    def make_executor(self, model, config):
-        self._executor = super().make_executor(model, config)
-        return self._executor
+        return self.config.cache.kv_cache_memory_bytes
 
 
 class _ProfilePlugin:

@@ -108,9 +108,9 @@ def test_the_documented_start_up_order_is_the_order_of_the_calls(tiny_model_fact
     class RecordingBackend(CPUBackend):
         name = "test-docs-order"
 
-        def make_executor(self, model, config):
+        def make_executor(self, model):
             calls.append("make_executor")
-            executor = super().make_executor(model, config)
+            executor = super().make_executor(model)
             executor.prepare = recorded("prepare", executor.prepare)
             return executor
 

@@ -14,17 +14,20 @@ import torch
 from polyrunner import LLM, SamplingParams
 from polyrunner.backends.cpu import plugin as cpu_plugin
 from polyrunner.backends.cpu.plugin import CPUBackend
+from polyrunner.config import EngineConfig, ModelConfig
 from polyrunner.device.backend import Backend
 from polyrunner.models.loader import checkpoint_dtype
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 NATIVE_BF16, WHY_BF16 = cpu_plugin.native_bf16()
+CONFIG = EngineConfig(model=ModelConfig())
 
 
 class _Device(Backend):
     name = "fake"
 
     def __init__(self, native: tuple[torch.dtype, ...], default: torch.dtype = F32) -> None:
+        super().__init__(CONFIG)
         self._native, self._default = native, default
 
     @property
@@ -56,8 +59,8 @@ def test_resolve_dtype_without_a_checkpoint_dtype_is_the_backend_default():
 def test_default_native_dtypes_are_the_default_dtype_and_float32():
     class Plain(Backend):
         default_dtype = BF16
-    assert Plain().native_dtypes() == (BF16, F32)
-    assert Backend().native_dtypes() == (F32,)
+    assert Plain(CONFIG).native_dtypes() == (BF16, F32)
+    assert Backend(CONFIG).native_dtypes() == (F32,)
 
 
 @pytest.mark.parametrize("cfg,want", [
@@ -71,7 +74,7 @@ def test_checkpoint_dtype_reads_torch_dtype_or_dtype(cfg, want):
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_native_dtypes_follow_the_bf16_detection(monkeypatch, native):
     monkeypatch.setattr(cpu_plugin, "native_bf16", lambda: (native, "test says so"))
-    backend = CPUBackend()
+    backend = CPUBackend(CONFIG)
     assert backend.native_dtypes() == ((BF16, F32) if native else (F32,))
     dtype, why = backend.resolve_dtype(BF16)
     assert dtype == (BF16 if native else F32) and why.endswith("test says so")

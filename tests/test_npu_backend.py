@@ -37,7 +37,7 @@ def test_probe_reports_not_installed():
     av = NPUBackend.probe()
     assert not av.available and av.reason == "torch_npu is not installed"
     with pytest.raises(RuntimeError, match="torch_npu is not installed"):
-        NPUBackend()
+        NPUBackend(EngineConfig(model=ModelConfig()))
 
 
 @not_installed

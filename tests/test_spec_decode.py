@@ -253,8 +253,8 @@ class PaddedCPU(CPUBackend):
     name = "cpu-padded-spec"
     priority = -100
 
-    def bucket_policy(self, config):
-        s = config.scheduler
+    def bucket_policy(self):
+        s = self.config.scheduler
         return BucketPolicy(exponential_sizes(1, s.max_num_batched_tokens), exponential_sizes(1, s.max_num_seqs))
 
 

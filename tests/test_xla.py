@@ -4,7 +4,7 @@ capped at the largest request bucket, and sampling on padded request rows.
 
 One strict engine is shared by the module to keep the number of compiled
 graphs small (2 cores in CI). Its request buckets stop at 16 while it is asked
-for 24 requests: the backend's `polyrunner_adjust_config` caps max_num_seqs at
+for 24 requests: the backend's `adjust_config` caps max_num_seqs at
 16, so every step fits one bucket and the rest wait their turn.
 """
 

@@ -19,6 +19,7 @@ from polyrunner.plugin_api import (
     Backend,
     BucketPolicy,
     Capabilities,
+    EngineConfig,
     graph_bucket_policy,
     hookimpl,
 )
@@ -70,8 +71,9 @@ class CPUBackend(Backend):
     priority = 0
     capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo")
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
-    _executor: CPUExecutor | None = None   # this engine's, once `make_executor` made it
-    _prefault_kv_cache = False              # the engine's `CacheConfig.prefault_kv_cache`
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._affinity: set[int] | None = None   # the process's CPUs before `init_rank`, for `leave_rank`
 
     @classmethod
     def probe(cls) -> Availability:
@@ -95,7 +97,7 @@ class CPUBackend(Backend):
             os.sched_setaffinity(0, share)
 
     def leave_rank(self) -> None:
-        if getattr(self, "_affinity", None):
+        if self._affinity:
             os.sched_setaffinity(0, self._affinity)
             self._affinity = None
 
@@ -113,9 +115,10 @@ class CPUBackend(Backend):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
-    def kv_cache_budget(self, config, weights_bytes, profile) -> int:
+    def kv_cache_budget(self, weights_bytes, profile) -> int:
         """`kv_cache_memory_bytes`, else 4 GiB capped at half the free host memory.
         No profile run: activations on the host are small next to free RAM."""
+        config = self.config
         if config.cache.kv_cache_memory_bytes is not None:
             return config.cache.kv_cache_memory_bytes
         free, _ = self.memory_info()
@@ -128,23 +131,22 @@ class CPUBackend(Backend):
         caches = [torch.empty(spec.layer_shape(num_blocks), dtype=spec.dtype) for _ in range(spec.num_layers)]
         for cache in caches:
             cache[:, NULL_BLOCK].zero_()
-        if self._prefault_kv_cache:
+        if self.config.cache.prefault_kv_cache:
             prefault_in_background(caches)
         return caches
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
 
-    def make_executor(self, model, config):
-        self._prefault_kv_cache = config.cache.prefault_kv_cache   # read by allocate_kv_cache, which comes next
-        self._executor = CPUExecutor(model, config)
-        return self._executor
+    def make_executor(self, model):
+        return CPUExecutor(model, self.config)
 
-    def bucket_policy(self, config) -> BucketPolicy:
+    def bucket_policy(self) -> BucketPolicy:
         """vLLM's decode capture sizes up to the largest batch the executor's CPU graphs
-        take (`CPUExecutor.graph_rows`); none before an executor exists or without graphs."""
-        rows = self._executor.graph_rows if self._executor is not None else 0
-        return graph_bucket_policy(config, rows) if rows else BucketPolicy()
+        take (`CPUExecutor.graph_rows`); none without a CPUExecutor (a subclass may make
+        another) or without graphs."""
+        rows = self.executor.graph_rows if isinstance(self.executor, CPUExecutor) else 0
+        return graph_bucket_policy(self.config, rows) if rows else BucketPolicy()
 
     attention = staticmethod(cpu_paged_attention)
     quantize_model = staticmethod(quantize_model)

@@ -44,6 +44,7 @@ from polyrunner.plugin_api import (
     Backend,
     BucketPolicy,
     Capabilities,
+    EngineConfig,
     GraphExecutor,
     HostFuture,
     LayerSpec,
@@ -125,11 +126,12 @@ class CUDABackend(Backend):
     priority = 100
     capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
                                 async_scheduling=True, distributed_backend="nccl")
+    executor: StaticGraphExecutor | None
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         self._device = torch.device("cuda", torch.cuda.current_device())
         self.attention, self.length_adaptive = load_attention()
-        self._executor: StaticGraphExecutor | None = None
 
     @classmethod
     def probe(cls) -> Availability:
@@ -167,22 +169,22 @@ class CUDABackend(Backend):
         return ((torch.bfloat16,) if cuda_native_bf16() else ()) + (torch.float16, torch.float32)
 
     # ---- padding, KV, attention, graphs ------------------------------------
-    def bucket_policy(self, config) -> BucketPolicy:
-        return graph_bucket_policy(config)
+    def bucket_policy(self) -> BucketPolicy:
+        return graph_bucket_policy(self.config)
 
-    def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
+    def kv_cache_budget(self, weights_bytes: int, profile) -> int:
         """The worst steps' peak plus the graph pool's estimate stay free of KV."""
-        ex, buckets = self._executor, self.bucket_policy(config)
+        ex, buckets = self.executor, self.bucket_policy()
         reserve = (lambda per_token: ex.pool_reserve_bytes(per_token, buckets)) if ex is not None else None
         with torch.cuda.device(self._device):
-            return profiled_kv_budget(torch.cuda, config, weights_bytes, worst_case_profile(profile), "cuda",
+            return profiled_kv_budget(torch.cuda, self.config, weights_bytes, worst_case_profile(profile), "cuda",
                                       reserve)
 
-    def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
-        self._executor = StaticGraphExecutor(
+    def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
+        config = self.config
+        return StaticGraphExecutor(
             model, TorchGraphAPI(torch.cuda, "CUDAGraph", "cuda graphs"), max_num_seqs=config.scheduler.max_num_seqs,
             enforce_eager=config.runner.enforce_eager, length_adaptive=self.length_adaptive)
-        return self._executor
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ from polyrunner.plugin_api import (
     Backend,
     BucketPolicy,
     Capabilities,
+    EngineConfig,
     GraphExecutor,
     HostFuture,
     KVCacheSpec,
@@ -131,14 +132,15 @@ class NPUBackend(Backend):
     capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
                                 async_scheduling=True, distributed_backend="hccl")
     kv_alignment_bytes = ALIGNMENT
+    executor: StaticGraphExecutor | None
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         module, reason = import_torch_npu()
         if module is None:
             raise RuntimeError(f"npu backend is unavailable: {reason}")
         self._device = torch.device("npu", torch.npu.current_device())
         self._copy_stream = None
-        self._executor: StaticGraphExecutor | None = None
 
     @classmethod
     def probe(cls) -> Availability:
@@ -176,14 +178,15 @@ class NPUBackend(Backend):
         return bf16 + (torch.float16, torch.float32)
 
     # ---- padding, KV, attention, graphs ------------------------------------
-    def bucket_policy(self, config) -> BucketPolicy:
-        return graph_bucket_policy(config)
+    def bucket_policy(self) -> BucketPolicy:
+        return graph_bucket_policy(self.config)
 
-    def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
+    def kv_cache_budget(self, weights_bytes: int, profile) -> int:
         """The worst steps' peak plus the ACL graph pool's estimate stay free of KV (as on CUDA)."""
-        ex, buckets = self._executor, self.bucket_policy(config)
+        ex, buckets = self.executor, self.bucket_policy()
         reserve = (lambda per_token: ex.pool_reserve_bytes(per_token, buckets)) if ex is not None else None
-        return profiled_kv_budget(torch.npu, config, weights_bytes, worst_case_profile(profile), "npu", reserve)
+        return profiled_kv_budget(torch.npu, self.config, weights_bytes, worst_case_profile(profile), "npu",
+                                  reserve)
 
     def num_kv_blocks(self, spec: KVCacheSpec, budget_bytes: int) -> int:
         return split_kv_num_blocks(spec, budget_bytes, self.kv_alignment_bytes)
@@ -193,10 +196,10 @@ class NPUBackend(Backend):
 
     attention = staticmethod(npu_paged_attention)
 
-    def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
-        self._executor = StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
-                                             enforce_eager=config.runner.enforce_eager)
-        return self._executor
+    def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
+        config = self.config
+        return StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
+                                   enforce_eager=config.runner.enforce_eager)
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:

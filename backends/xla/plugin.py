@@ -18,6 +18,7 @@ What runs where:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING, Callable
@@ -74,9 +75,11 @@ class XLABackend(Backend):
     capabilities = Capabilities(graph_mode="xla", static_shapes=True, counts_graphs=True,
                                 dtypes=(torch.float32, torch.bfloat16), sampling=XLA_SAMPLING)
 
-    def __init__(self) -> None:
+    def __init__(self, config: "EngineConfig") -> None:
+        super().__init__(config)
         self._device: torch.device | None = None
-        self._max_num_reqs = 8
+        # Pallas attention: decided by the device and the environment, and turned off by
+        # `allocate_kv_cache` for a head size its kernel cannot take (None: not decided yet).
         self._pallas: bool | None = None
 
     # ---- identity -------------------------------------------------------------
@@ -110,43 +113,66 @@ class XLABackend(Backend):
             self._device = torch_xla.device()
         return self._device
 
-    @property
-    def on_tpu(self) -> bool:
+    @classmethod
+    def on_tpu(cls) -> bool:
         return _device_kind() == "TPU"
 
     @property
     def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.on_tpu else torch.float32
+        return torch.bfloat16 if self.on_tpu() else torch.float32
+
+    @classmethod
+    def wants_pallas(cls) -> bool:
+        """Pallas ragged paged attention: real TPU only (unverified on hardware)."""
+        return cls.on_tpu() and envs.PALLAS.get()
 
     @property
     def use_pallas(self) -> bool:
-        """Pallas ragged paged attention: real TPU only (unverified on hardware)."""
         if self._pallas is None:
-            self._pallas = self.on_tpu and envs.PALLAS.get()
+            self._pallas = self.wants_pallas()
         return self._pallas
 
     # ---- padding --------------------------------------------------------------
-    def bucket_policy(self, config: "EngineConfig") -> BucketPolicy:
+    @classmethod
+    def policy_for(cls, config: "EngineConfig") -> BucketPolicy:
+        """The buckets of `config`: `xla_bucket_policy`, its requests capped by Pallas's limit."""
         limit = None
-        if self.use_pallas:
+        if cls.wants_pallas():
             from polyrunner.backends.xla import pallas
             max_len = config.model.max_model_len or 8192
             limit = pallas.max_num_seqs(max_len, config.cache.block_size)
-        policy = xla_bucket_policy(config, limit)
-        self._max_num_reqs = policy.request_buckets[-1]
-        return policy
+        return xla_bucket_policy(config, limit)
+
+    @classmethod
+    def adjust_config(cls, config: "EngineConfig") -> None:
+        """Compiled shapes end at the largest request bucket (which a kernel's request
+        limit may hold below max_num_seqs): cap max_num_seqs there, so every step
+        fits one bucket."""
+        largest = cls.policy_for(config).request_buckets[-1]
+        sched = config.scheduler
+        if sched.max_num_seqs > largest:
+            logger.info("xla: max_num_seqs %d -> %d, the largest request bucket", sched.max_num_seqs, largest)
+            sched.max_num_seqs = largest
+
+    def bucket_policy(self) -> BucketPolicy:
+        return self.policy_for(self.config)
+
+    @functools.cached_property
+    def max_request_bucket(self) -> int:
+        """The largest request bucket of this engine (Pallas's per-step request table)."""
+        return self.bucket_policy().request_buckets[-1]
 
     # ---- KV cache ---------------------------------------------------------------
-    def kv_cache_budget(self, config: "EngineConfig", weights_bytes: int,
-                        profile: Callable[[], None]) -> int:
+    def kv_cache_budget(self, weights_bytes: int, profile: Callable[[], None]) -> int:
         """No profiling run (it would compile a throw-away graph): the budget is the
         device's free memory (weights are already on it) times the utilisation.
         On the CPU PJRT device the budget is capped at 1 GiB
         (`POLYRUNNER_XLA_CPU_KV_BYTES`) unless kv_cache_memory_bytes is set."""
+        config = self.config
         if config.cache.kv_cache_memory_bytes is not None:
             return config.cache.kv_cache_memory_bytes
         free, total = self.memory_info()
-        if self.on_tpu:
+        if self.on_tpu():
             return max(0, int(total * config.cache.memory_utilization) - (total - free))
         cap = envs.CPU_KV_BYTES.get()
         return max(0, min(cap, int(free * config.cache.memory_utilization) - weights_bytes))
@@ -177,7 +203,7 @@ class XLABackend(Backend):
         """Host-built, token-shaped inputs so the backbone graph depends only on T_pad."""
         if self.use_pallas:
             from polyrunner.backends.xla import pallas
-            return pallas.host_inputs(step, self._max_num_reqs)
+            return pallas.host_inputs(step, self.max_request_bucket)
         tables = step.block_tables[step.token_to_req]
         tables[step.num_tokens:] = NULL_BLOCK
         return {TOKEN_BLOCK_TABLES: tables}
@@ -188,8 +214,9 @@ class XLABackend(Backend):
         from polyrunner.backends.xla.executor import no_grad_not_inference
         return no_grad_not_inference()
 
-    def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
+    def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         from polyrunner.backends.xla.executor import XLAGraphExecutor, strict_from_env
+        config = self.config
         return XLAGraphExecutor(model, self.device,
                                 strict=config.runner.strict_no_recompile or strict_from_env(),
                                 enforce_eager=config.runner.enforce_eager, seed=config.model.seed)
@@ -215,10 +242,10 @@ class XLABackend(Backend):
 
     @property
     def memory_is_host(self) -> bool:
-        return not self.on_tpu
+        return not self.on_tpu()
 
     def memory_info(self) -> tuple[int, int]:
-        if self.on_tpu:
+        if self.on_tpu():
             import torch_xla.core.xla_model as xm
             info = xm.get_memory_info(self.device)
             total = int(info["bytes_limit"])
@@ -234,16 +261,3 @@ PLUGIN_API_VERSION = "1.0"  # the plugin contract this plugin is written for (ch
 def polyrunner_backends() -> list[type[Backend]]:
     return [XLABackend]
 
-
-@hookimpl
-def polyrunner_adjust_config(config: "EngineConfig", backend: Backend) -> None:
-    """Compiled shapes end at the largest request bucket (which a kernel's request
-    limit may hold below max_num_seqs): cap max_num_seqs there, so every step
-    fits one bucket."""
-    if not isinstance(backend, XLABackend):
-        return
-    largest = backend.bucket_policy(config).request_buckets[-1]
-    sched = config.scheduler
-    if sched.max_num_seqs > largest:
-        logger.info("xla: max_num_seqs %d -> %d, the largest request bucket", sched.max_num_seqs, largest)
-        sched.max_num_seqs = largest

@@ -5,22 +5,31 @@ A backend is a `Backend` subclass contributed through the
 torch device (eager, unpadded, reference attention, blocking transfers), so a
 plugin overrides only what its device does differently. Each member's
 docstring says whether it is REQUIRED or OPTIONAL, when the core calls it, and
-what it must keep true, like pytest's hookspecs. When the core calls what:
+what it must keep true, like pytest's hookspecs.
 
-- discovery (`polyrunner backends`, `LLM(backend=...)`): `name`, `priority`,
-  `probe()` — probing never raises and never imports the device library at
-  module import time: a missing library is `Availability(False, "<reason>")`;
-- engine start-up, in this order: `capabilities`, `resolve_dtype` (dtype
-  "auto" only) and `check_dtype`; `device` (the model is loaded there);
-  `make_executor`; `bucket_policy` (after the executor: a policy may depend on
-  what the executor made); `kv_cache_budget` (runs one max-size
-  dummy step) and `num_kv_blocks`; `allocate_kv_cache`; `GraphExecutor.prepare`
-  (capture / compile / warm up every bucket);
-- each step: `host_attention_extras`, `to_device` (every input array),
-  `no_grad`, `GraphExecutor.run` (the model calls `attention` once per layer,
-  also inside graph capture), `GraphExecutor.compute_logits`,
-  `GraphExecutor.sample`, `to_host_async`; `make_generator` once per new
-  seeded request.
+Two lifetimes, like ggml-backend's registry and backend:
+
+- the class, before any engine exists, stateless: `name`, `priority`,
+  `capabilities`, `probe()`, `device_count()` (discovery, `polyrunner
+  backends`, `LLM(backend=...)`) and `adjust_config(config)` (this backend's
+  changes to the validated config, before anything is built from it);
+- the instance, one per engine (and per tensor-parallel rank), made as
+  `cls(config)` from the adjusted config and owning everything the engine's
+  device work keeps: its executor (`self.executor`, set by the core from
+  `make_executor`), graphs, pools. No member reads state another member left
+  behind, except what the contract names: `self.config`, `self.executor`, and
+  what `init_rank` changed for `leave_rank`.
+
+Engine start-up calls, in this order: `adjust_config`, `cls(config)`,
+`init_rank` (tensor parallelism), `resolve_dtype` (dtype "auto" only) and `check_dtype`; `device`
+(the model is loaded there); `make_executor`; `bucket_policy` (after the
+executor: a policy may depend on what the executor made); `kv_cache_budget`
+(runs one max-size dummy step) and `num_kv_blocks`; `allocate_kv_cache`;
+`GraphExecutor.prepare` (capture / compile / warm up every bucket). Each step:
+`host_attention_extras`, `to_device` (every input array), `no_grad`,
+`GraphExecutor.run` (the model calls `attention` once per layer, also inside
+graph capture), `GraphExecutor.compute_logits`, `GraphExecutor.sample`,
+`to_host_async`; `make_generator` once per new seeded request.
 """
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ class Capabilities:
       by `polyrunner backends`).
     static_shapes: every step must be padded to a bucket (tokens and requests);
       `bucket_policy` must then cover every legal batch of the config (adjust
-      max_num_seqs with `polyrunner_adjust_config` if a kernel caps requests).
+      max_num_seqs in `Backend.adjust_config` if a kernel caps requests).
     counts_graphs: `GraphExecutor.num_graphs()` is meaningful (no-recompile checks).
     dtypes: the dtypes `check_dtype` accepts.
     sampling: sampling features the device supports; the engine rejects a request
@@ -190,8 +199,11 @@ class Backend:
     """Base backend: a plain torch device, eager, unpadded. Override per device.
 
     REQUIRED: `name`, `probe`, `device`, `memory_info` (unless every config sets
-    kv_cache_memory_bytes). Everything else is OPTIONAL. One instance serves
-    one engine; it is constructed with no arguments after a successful probe.
+    kv_cache_memory_bytes). Everything else is OPTIONAL. Class members serve
+    discovery and configuration before an engine exists; one instance, made
+    with `cls(config)` after a successful probe and `adjust_config`, serves one
+    engine (the conformance suite makes many: keep `__init__` cheap, and call
+    `super().__init__(config)` in an override).
 
     name: REQUIRED, unique across plugins; what `backend=` selects.
     priority: OPTIONAL; without `backend=`, the available backend with the
@@ -212,7 +224,13 @@ class Backend:
     # vLLM's name: checkpoint quantization formats `quantize_model` executes (e.g. "gguf")
     supported_quantization: ClassVar[tuple[str, ...]] = ()
 
-    # ---- identity -------------------------------------------------------
+    def __init__(self, config: "EngineConfig") -> None:
+        self.config = config   # the engine's final (adjusted) configuration
+        # The engine's executor: set by the core to what `make_executor` returned, before it
+        # calls any later member (`bucket_policy`, `kv_cache_budget`, ...); None until then.
+        self.executor: GraphExecutor | None = None
+
+    # ---- identity and configuration (class level: no engine yet) --------
     @classmethod
     def probe(cls) -> Availability:
         """REQUIRED; at discovery and selection, on the class. Is the device usable
@@ -226,6 +244,15 @@ class Backend:
         tensor-parallel ranks it can place, one per device); default 1."""
         return 1
 
+    @classmethod
+    def adjust_config(cls, config: "EngineConfig") -> None:
+        """OPTIONAL; once per engine, on the class, after selection and before the instance
+        is made (the conformance suite also calls it for each configuration it builds).
+        Adjust the validated `config` in place for this backend (e.g. force the block size its
+        kernel needs, cap max_num_seqs at what a kernel takes); raise ValueError to refuse a
+        configuration it cannot run. Default: nothing."""
+
+    # ---- the engine's device (instance) ----------------------------------
     @property
     def device(self) -> torch.device:
         """REQUIRED; at start-up and each step. The torch device the model, the KV
@@ -286,19 +313,20 @@ class Backend:
                                f"{self.name!r} (native: {', '.join(map(name, native))})")
 
     # ---- padding --------------------------------------------------------
-    def bucket_policy(self, config: "EngineConfig") -> BucketPolicy:
-        """OPTIONAL; at start-up (and by `polyrunner_adjust_config` hooks). Token and
-        request buckets; every step is padded with `policy.pad(tokens, reqs)`.
-        Buckets are sorted; `pad` returns a covering bucket, monotonic in both
-        arguments. The base backend pads nothing."""
+    def bucket_policy(self) -> BucketPolicy:
+        """OPTIONAL; once at start-up, after `make_executor` (it may read
+        `self.executor`). Token and request buckets for `self.config`; every step
+        is padded with `policy.pad(tokens, reqs)`. Buckets are sorted; `pad`
+        returns a covering bucket, monotonic in both arguments. The base backend
+        pads nothing."""
         return BucketPolicy()
 
     # ---- KV cache -------------------------------------------------------
-    def kv_cache_budget(self, config: "EngineConfig", weights_bytes: int,
-                        profile: Callable[[], None]) -> int:
+    def kv_cache_budget(self, weights_bytes: int, profile: Callable[[], None]) -> int:
         """OPTIONAL; once at start-up. Bytes for the KV cache, given the weights'
         bytes; `profile()` runs a max-size dummy step (call it exactly once, to fail
         early and to measure the peak). `kv_cache_memory_bytes`, when set, wins."""
+        config = self.config
         if config.cache.kv_cache_memory_bytes is not None:
             profile()
             return config.cache.kv_cache_memory_bytes
@@ -344,9 +372,10 @@ class Backend:
         return torch.inference_mode()
 
     # ---- graphs ---------------------------------------------------------
-    def make_executor(self, model: torch.nn.Module, config: "EngineConfig") -> GraphExecutor:
+    def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         """OPTIONAL; once at start-up, after the model is loaded. The executor that
-        runs (and may rewrite, e.g. pack weights of) the model."""
+        runs (and may rewrite, e.g. pack weights of) the model; the core keeps it as
+        `self.executor` for the members it calls later."""
         return GraphExecutor(model)
 
     # ---- host <-> device ------------------------------------------------

@@ -35,7 +35,7 @@ from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
 from polyrunner.engine.tokenizer import Tokenizer
 from polyrunner.outputs import RequestOutput
-from polyrunner.plugins import get_plugin_manager, select_backend
+from polyrunner.plugins import create_backend
 from polyrunner.runner.async_output import AsyncModelRunnerOutput
 from polyrunner.runner.output import ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
@@ -62,8 +62,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         self.grammar_pool: GrammarCompilePool | None = None   # made with the first structured-output request
-        self.backend = select_backend(config.runner.backend)
-        get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=self.backend)
+        self.backend = create_backend(config)   # adjusts `config` for the backend first
         self._check_speculative()
         self.async_scheduling = self._async_scheduling()
         self.tp_driver = start_tensor_parallel(config, self.backend)   # None: one device

@@ -25,7 +25,7 @@ from polyrunner.models.gguf.quantized import quantizer, select_quantization
 from polyrunner.models.loader import checkpoint_dtype, load_model, read_model_config
 from polyrunner.models.registry import resolve_model_class
 from polyrunner.models.source import resolve_model_folder
-from polyrunner.plugins import get_plugin_manager, select_backend
+from polyrunner.plugins import create_backend
 from polyrunner.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,7 @@ def build_tp_rank(config_dict: dict[str, Any], rank: int, size: int, local_rank:
     driver's engine, without a scheduler. `started()` once the configuration
     is valid, before the rendezvous."""
     config = EngineConfig.model_validate(config_dict)
-    backend = select_backend(config.runner.backend)
-    get_plugin_manager().hook.polyrunner_adjust_config(config=config, backend=backend)
+    backend = create_backend(config)
     if started is not None:
         started()
     tp = join_tensor_parallel(config, backend, rank, local_rank, init_method)

@@ -4,6 +4,7 @@ from polyrunner.plugins.hookspecs import hookimpl, hookspec
 from polyrunner.plugins.manager import (
     ENTRY_POINT_GROUP,
     BackendInfo,
+    create_backend,
     get_plugin_manager,
     list_backends,
     register,
@@ -11,4 +12,4 @@ from polyrunner.plugins.manager import (
 )
 
 __all__ = ["hookimpl", "hookspec", "ENTRY_POINT_GROUP", "BackendInfo", "get_plugin_manager",
-           "list_backends", "register", "select_backend"]
+           "list_backends", "register", "select_backend", "create_backend"]

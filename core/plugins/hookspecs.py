@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from polyrunner.config import EngineConfig
     from polyrunner.device.backend import Backend
 
 PROJECT = "polyrunner"
@@ -68,9 +67,3 @@ def polyrunner_models() -> "dict[str, type]":
       may compute logits through its own packed copy.
     """
 
-
-@hookspec
-def polyrunner_adjust_config(config: "EngineConfig", backend: "Backend") -> None:
-    """Adjust the validated engine config in place once the backend is chosen
-    (e.g. force a block size the device's kernel needs). Raise ValueError to
-    refuse a configuration the backend cannot run."""

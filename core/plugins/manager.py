@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pluggy
 
+from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Availability, Backend
 from polyrunner.plugins import hookspecs
 from polyrunner.plugins.api_version import PluginVersionError, check_plugin_version
@@ -116,8 +117,9 @@ def list_backends() -> list[BackendInfo]:
     return sorted(infos, key=lambda i: (-i.priority, i.name))
 
 
-def select_backend(name: str | None = None) -> Backend:
-    """Instantiate a backend by name, or the highest-priority available one."""
+def select_backend(name: str | None = None) -> type[Backend]:
+    """The backend class named `name`, or the highest-priority available one; an unknown or
+    unavailable backend raises with the probe's reason."""
     infos = list_backends()
     if name is not None:
         by_name = {i.name: i for i in infos}
@@ -127,9 +129,18 @@ def select_backend(name: str | None = None) -> Backend:
         if not info.availability.available:
             fix = f"; to fix: {info.availability.fix}" if info.availability.fix else ""
             raise RuntimeError(f"backend {name!r} is unavailable: {info.availability.reason}{fix}")
-        return info.cls()
+        assert info.cls is not None   # a broken plugin's entry is never available
+        return info.cls
     for info in infos:
-        if info.availability.available:
-            return info.cls()
+        if info.availability.available and info.cls is not None:
+            return info.cls
     raise RuntimeError("no backend is available: " + "; ".join(
         f"{i.name}: {i.availability.reason}" for i in infos))
+
+
+def create_backend(config: EngineConfig) -> Backend:
+    """One engine's backend: select `config.runner.backend`'s class, let it adjust `config`
+    in place (`Backend.adjust_config`), then make the instance from the adjusted config."""
+    cls = select_backend(config.runner.backend)
+    cls.adjust_config(config)
+    return cls(config)

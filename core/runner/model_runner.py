@@ -59,8 +59,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.max_blocks_per_req = -(-max_model_len // self.block_size)
-        self.executor: GraphExecutor | GatherLogits = backend.make_executor(model, config)
-        self.buckets = backend.bucket_policy(config)   # after the executor: it may depend on what that made
+        backend.executor = backend.make_executor(model)   # the backend's own, read by its later members
+        self.executor: GraphExecutor | GatherLogits = backend.executor
+        self.buckets = backend.bucket_policy()   # after the executor: it may depend on what that made
         self.gather_vocab = gather_vocab
         if gather_vocab is not None:
             self.executor = GatherLogits(self.executor, gather_vocab)
@@ -98,7 +99,7 @@ class ModelRunner:
         if cache_cfg.num_blocks_override is not None:
             num_blocks = cache_cfg.num_blocks_override
         else:
-            budget = self.backend.kv_cache_budget(self.config, weights, profile)
+            budget = self.backend.kv_cache_budget(weights, profile)
             num_blocks = self.backend.num_kv_blocks(self.kv_spec, budget)
         if num_blocks < 2:
             raise ValueError(

@@ -21,7 +21,7 @@ def write_step(ctx, backend, num_blocks: int):
                        max_model_len=ctx.settings.max_model_len, num_blocks=num_blocks,
                        context_budget=10 * spec.block_size, min_decode_context=spec.block_size + 1)
     T, R = batch.num_step_tokens, batch.num_reqs
-    policy = backend.bucket_policy(ctx.make_config(adjust=backend))
+    policy = backend.bucket_policy()
     try:  # padded tokens always; a padded request too unless R is the largest request bucket
         T_pad, R_pad = policy.pad(T + 3, R + 1)
     except ValueError:

@@ -2,7 +2,7 @@
 lists are sorted and unique and end at the configured maximum, and padding
 stays within the policy's own `max_padding` bound.
 
-Legal batches for a scheduler config (after the plugins' `polyrunner_adjust_config`,
+Legal batches for a scheduler config (after the backend's `Backend.adjust_config`,
 where a static-shape backend caps max_num_seqs at its largest request bucket):
 T <= max_num_batched_tokens tokens over R <= min(max_num_seqs, T) requests. A
 non-static backend may leave a batch above its largest bucket unpadded (pad
@@ -23,9 +23,8 @@ def _policies(ctx):
     if "bucket_policies" not in ctx.cache:
         out = []
         for mns, mnbt in ctx.settings.bucket_configs:
-            backend = ctx.new_backend()
-            cfg = ctx.make_config(adjust=backend, max_num_seqs=mns, max_num_batched_tokens=mnbt)
-            policy = backend.bucket_policy(cfg)
+            backend = ctx.new_backend(max_num_seqs=mns, max_num_batched_tokens=mnbt)
+            cfg, policy = backend.config, backend.bucket_policy()
             out.append((f"max_num_seqs={mns}, max_num_batched_tokens={mnbt}",
                         cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, policy))
         ctx.cache["bucket_policies"] = out

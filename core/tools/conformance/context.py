@@ -102,9 +102,11 @@ class ConformanceContext:
                 self._blocker = "" if a.available else f"backend {self.backend_name!r} is unavailable here: {a.reason}"
         return self._blocker
 
-    def new_backend(self):
-        from polyrunner.plugins import select_backend
-        return select_backend(self.backend_name)
+    def new_backend(self, **overrides):
+        """A backend instance, as an engine makes it (`create_backend`): from `make_config(**overrides)`
+        after the backend's `adjust_config`."""
+        from polyrunner.plugins import create_backend
+        return create_backend(self.make_config(**overrides))
 
     @cached_property
     def dtype_name(self) -> str:
@@ -112,7 +114,7 @@ class ConformanceContext:
         import torch
         if torch.float32 in self.capabilities.dtypes:
             return "float32"
-        return str(self.new_backend().default_dtype).removeprefix("torch.")
+        return str(self.new_backend(dtype="auto").default_dtype).removeprefix("torch.")
 
     # ---- model and configs --------------------------------------------------------
     @cached_property
@@ -142,10 +144,10 @@ class ConformanceContext:
         per_layer = -(-per_layer // alignment) * alignment
         return per_layer * spec.num_layers
 
-    def make_config(self, backend: str | None = None, *, adjust: Any = None, **overrides):
-        """An EngineConfig for the tiny model. `overrides`: flat names of the
-        sub-config fields (max_num_seqs, block_size, kv_cache_memory_bytes, ...).
-        `adjust`: a backend instance whose plugins' `polyrunner_adjust_config` is applied."""
+    def make_config(self, backend: str | None = None, **overrides):
+        """An EngineConfig for the tiny model, as validated (before any `Backend.adjust_config`).
+        `overrides`: flat names of the sub-config fields (max_num_seqs, block_size,
+        kv_cache_memory_bytes, ...)."""
         from polyrunner.config import (
             CacheConfig,
             EngineConfig,
@@ -170,9 +172,6 @@ class ConformanceContext:
             parallel=ParallelConfig(tensor_parallel_size=o.pop("tensor_parallel_size", 1)),
             speculative=o.pop("speculative", None),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
-        if adjust is not None:
-            from polyrunner.plugins import get_plugin_manager
-            get_plugin_manager().hook.polyrunner_adjust_config(config=cfg, backend=adjust)
         return cfg
 
     def device_count(self) -> int:

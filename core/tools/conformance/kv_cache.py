@@ -100,9 +100,8 @@ def check_budget(ctx) -> str:
                spec.num_layers * (3 * unit + spec.page_size_bytes - 1)]
     notes = []
     for budget in budgets:
-        cfg = ctx.make_config(kv_cache_memory_bytes=budget, adjust=backend)
         calls = []
-        got = backend.kv_cache_budget(cfg, 0, functools.partial(calls.append, 1))
+        got = ctx.new_backend(kv_cache_memory_bytes=budget).kv_cache_budget(0, functools.partial(calls.append, 1))
         expect(got == budget, f"kv_cache_budget returned {got} bytes with kv_cache_memory_bytes={budget}")
         expect(len(calls) <= 1, f"kv_cache_budget ran the profile {len(calls)} times")
         n = backend.num_kv_blocks(spec, budget)

@@ -114,7 +114,7 @@ def check_available_here(ctx) -> str:
 
 @check("registration", depends_on=("registration::available_here",))
 def check_host_device_primitives(ctx) -> str:
-    """select_backend() instantiates it; device, default dtype, transfers, RNG and memory info work."""
+    """create_backend(config) instantiates it; device, default dtype, transfers, RNG and memory info work."""
     import numpy as np
     expect(not ctx.blocker(), ctx.blocker())
     b = ctx.new_backend()

@@ -89,14 +89,16 @@ class CPUPagedBackend(Backend):
         return torch.device("cpu")
 
     # ---- padding -----------------------------------------------------------
-    def bucket_policy(self, config) -> BucketPolicy:
+    def bucket_policy(self) -> BucketPolicy:   # for self.config, the engine's configuration
+        config = self.config
         sched = config.scheduler
         tokens = config.runner.token_buckets or exponential_sizes(1, sched.max_num_batched_tokens)
         reqs = config.runner.request_buckets or list(range(1, sched.max_num_seqs + 1))
         return BucketPolicy(sorted(set(tokens)), sorted(set(reqs)))
 
     # ---- KV cache ------------------------------------------------------------
-    def kv_cache_budget(self, config, weights_bytes: int, profile) -> int:
+    def kv_cache_budget(self, weights_bytes: int, profile) -> int:
+        config = self.config
         profile()
         if config.cache.kv_cache_memory_bytes is not None:
             return config.cache.kv_cache_memory_bytes
@@ -109,8 +111,8 @@ class CPUPagedBackend(Backend):
     attention = staticmethod(kv_layout.paged_attention)
 
     # ---- execution -------------------------------------------------------------
-    def make_executor(self, model: torch.nn.Module, config) -> GraphExecutor:
-        return PaddedEagerExecutor(model, warm_up=not config.runner.enforce_eager)
+    def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
+        return PaddedEagerExecutor(model, warm_up=not self.config.runner.enforce_eager)
 
     # ---- host <-> device ---------------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:
