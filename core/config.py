@@ -6,7 +6,7 @@ names its allowed range; pydantic's error names the field that broke it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -129,3 +129,9 @@ class EngineConfig(_Strict):
                     f"({self.model.max_model_len}) when chunked prefill is disabled"
                 )
         return self
+
+
+def default_of(config: type[BaseModel], name: str) -> Any:
+    """The default of field `name` of a config class: the one home of every engine default
+    (`LLM(...)`'s keyword arguments and the command line's options read it from here)."""
+    return config.model_fields[name].default

@@ -24,10 +24,12 @@ from polyrunner.config import (
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    default_of,
 )
-from polyrunner.engine.llm_engine import LLMEngine, Prompt
+from polyrunner.engine.llm_engine import LLMEngine
 from polyrunner.llm_args import check_no_effect_args, note_trust_remote_code
 from polyrunner.outputs import RequestOutput
+from polyrunner.prompt import Prompt
 from polyrunner.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,18 +63,28 @@ class LLM:
     `request_buckets` go to `RunnerConfig`; any other keyword is a TypeError.
     """
 
-    def __init__(self, model: str | None = None, backend: str | None = None, *, dtype: str = "auto",
+    def __init__(self, model: str | None = None, backend: str | None = None, *,
+                 dtype: str = default_of(ModelConfig, "dtype"),
                  quantization: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
-                 prefault_kv_cache: bool = False,
-                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                 scheduling_policy: str = "fcfs", max_logprobs: int = 20,
-                 logprobs_mode: str = "raw_logprobs", enforce_eager: bool = False, seed: int = 0,
+                 max_model_len: int | None = None,
+                 max_num_seqs: int = default_of(SchedulerConfig, "max_num_seqs"),
+                 max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
+                 block_size: int = default_of(CacheConfig, "block_size"),
+                 kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = default_of(CacheConfig, "memory_utilization"),
+                 num_gpu_blocks_override: int | None = None,
+                 enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching"),
+                 prefault_kv_cache: bool = default_of(CacheConfig, "prefault_kv_cache"),
+                 enable_chunked_prefill: bool = default_of(SchedulerConfig, "enable_chunked_prefill"),
+                 long_prefill_token_threshold: int = default_of(SchedulerConfig, "long_prefill_token_threshold"),
+                 scheduling_policy: str = default_of(SchedulerConfig, "policy"),
+                 max_logprobs: int = default_of(ModelConfig, "max_logprobs"),
+                 logprobs_mode: str = default_of(ModelConfig, "logprobs_mode"),
+                 enforce_eager: bool = default_of(RunnerConfig, "enforce_eager"),
+                 seed: int = default_of(ModelConfig, "seed"),
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
-                 tensor_parallel_size: int = 1, speculative_config: dict | SpeculativeConfig | None = None,
+                 tensor_parallel_size: int = default_of(ParallelConfig, "tensor_parallel_size"),
+                 speculative_config: dict | SpeculativeConfig | None = None,
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
         note_trust_remote_code(trust_remote_code)
         runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager"}
@@ -148,7 +160,7 @@ class LLM:
             logger.warning("prompt %d rejected: %s", i, exc)
         pending = len(order) - len(outputs)
         with tqdm(total=pending, desc="Processed prompts", disable=not use_tqdm or pending == 0) as bar:
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_requests():
                 for out in self.engine.step():
                     if out.finished:
                         outputs[out.request_id] = out
@@ -164,7 +176,7 @@ class LLM:
         try:  # a bad prompt, or a caller that stops early, must not leak KV blocks
             for p, sp in zip(prompt_list, _broadcast(sampling_params, len(prompt_list))):
                 ids.append(self.engine.add_request(p, sp, stream=True))
-            while self.engine.has_unfinished_requests():
+            while self.engine.has_requests():
                 yield from self.engine.step()
         finally:
             for rid in ids:

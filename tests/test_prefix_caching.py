@@ -218,9 +218,9 @@ def _drive(llm: LLM, fresh_greedy, reqs) -> tuple[bool, bool, int]:
         _assert_ref_counts(eng)
     preempted = eng.scheduler.num_preemptions > preemptions
     hit = eng.kv.pool.stats.hit_tokens > hits
-    eng.step()  # lets the runner drop aborted rows
+    eng.step()  # hands the last finished and aborted slots to the runner
     _assert_no_leak(llm)
-    assert eng.runner.states.num_active == 0  # dropped in the same step
+    assert eng.runner.states.num_active == 0
     assert not eng.outputs._parents
     # completed requests got exactly the tokens a cache-free compute gives
     for rid, out in finished.items():

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyrunner.config import SchedulerConfig
-from polyrunner.engine.kv_manager import KVCacheManager, cdiv
+from polyrunner.engine.kv_manager import KVCacheManager
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.scheduler import Scheduler
+from polyrunner.numeric import cdiv
 from polyrunner.sampling_params import SamplingParams
 from scheduler_driver import drive
 

@@ -87,7 +87,7 @@ def test_breaking_out_early_frees_every_block(llm, requests, stop_after):
     _assert_clean(llm)
     # the engine is still sound: the next run gives the usual outputs
     again = llm.generate(PROMPTS[:2], requests[:2], use_tqdm=False)
-    assert llm.engine.runner.states.num_active == 0  # dropped in the step they finished
+    assert llm.engine.runner.states.num_active == 0  # generate ends with the step that drops them
     assert [_normal(o) for o in again] == [_normal(o) for o in llm.generate(PROMPTS[:2], requests[:2],
                                                                              use_tqdm=False)]
     _assert_clean(llm)

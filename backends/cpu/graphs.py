@@ -2,14 +2,13 @@
 
 At one token per request a CPU decode step is a chain of C++ kernels (small-M
 linears, fused norms, rotary, paged attention) glued by Python, and the glue
-costs about as much as the kernels (about 2 of 5.3 ms per quantized SmolLM2
-step on 2 Zen 4 cores). `CPUGraphAPI` plugs into the core's `StaticGraphExecutor`
+costs nearly as much as the kernels (figures: benchmarks/results/design-measurements.md). `CPUGraphAPI` plugs into the core's `StaticGraphExecutor`
 (FULL_DECODE_ONLY graphs over static input buffers, keyed by batch size) the
 way CUDA graphs do. `capture(fn)` runs the forward once while
 
 - every kernel call made through `kernel_calls.call` is recorded (kernel id and
   arguments: pointers, sizes, scales), not run: like a CUDA graph capture, it
-  computes nothing (11 captures of quantized SmolLM2 took 1.3 s when they ran);
+  computes nothing (captures that ran the kernels cost seconds at start-up);
 - `_Vet`, a TorchDispatchMode, sees every torch op: allocations come from one
   arena shared by all graphs (they never run at once; the largest is captured
   first, so the others fit in its blocks), views pass, an embedding lookup

@@ -1,15 +1,15 @@
 """Keeping page faults out of the CPU backend's steps.
 
 A step that touches memory the process has never touched, or has handed back to
-the kernel, pays a page fault per 4 KiB page. That is ~0.5 us on bare metal, and
-on a VM whose memory the host backs lazily ~13 us (measured on this project's
-2-core VMs: 4 GiB took 13 s to fault in). Two sources, one remedy each:
+the kernel, pays a page fault per 4 KiB page: cheap on bare metal, tens of times
+dearer on a VM whose memory the host backs lazily (figures: benchmarks/results/design-measurements.md).
+Two sources, one remedy each:
 
 - The KV cache. It is allocated untouched (zeroing 4 GiB up front would cost
   seconds of start-up), and with prefix caching the block pool hands out every block
   once before it reuses any. A server therefore faults in a new 1 GiB of cache
-  pages per 256 requests until the whole cache has been used (measured: served
-  output throughput fell 15-21% from the first to the third run on one server).
+  pages per 256 requests until the whole cache has been used, and served throughput
+  drops while it does.
   With `CacheConfig.prefault_kv_cache` (what `polyrunner serve` sets; an offline
   `LLM` faults in only the blocks it uses and holds no more memory than that),
   `prefault_in_background` has a daemon thread at the lowest CPU priority ask

@@ -4,9 +4,8 @@ which one a step runs is measured, `kernel_table.py`).
 
 The kernels are plain C++ compiled into one library once per (sources, flags, compiler, CPU) into
 `~/.cache/polyrunner/cpu_kernels/` (`POLYRUNNER_CACHE`) and called through ctypes with raw pointers.
-The first build is logged at INFO with its time: ~10 CPU-seconds with g++ 12 (measured on a 2-core
-Xeon host: 9.5 s as one compiler call when idle, 35 s when loaded), now one compiler per source in
-parallel (the same host, loaded: 25 s against 35 s); a cached library loads in milliseconds.
+The first build is logged at INFO with its time (seconds: one compiler per source, in parallel;
+figures in benchmarks/results/design-measurements.md); a cached library loads in milliseconds.
 Without a C++ compiler, or with
 `POLYRUNNER_CPU_KERNELS=0`, `paged_attention_kernel()` returns None and the
 backend falls back to the reference attention (with a warning), unfused

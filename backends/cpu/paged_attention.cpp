@@ -306,9 +306,8 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
 // spreads the next block's prefetches over the keys it computes, in address order
 // (`NextBlock`): a whole block's prefetches at once fill the core's miss buffers and
 // stall the loads behind them until they land, so fetch and compute add up instead of
-// overlapping (64 requests x 160 keys x 30 layers: 15.8 -> 9.6 ms on 2 Zen 4 cores), and
-// address order beat a row of each head per key (64 x 336 keys x 30 layers on 2 Intel
-// AMX cores: 28.0 -> 25.9 ms). With at least
+// overlapping; address order beat a row of each head per key (both measured:
+// benchmarks/results/design-measurements.md). With at least
 // twice as many requests as threads an item is a request (all heads: each block's
 // rows are read whole); otherwise an item is one (request, KV head) pair, and when
 // those are fewer than twice the threads long contexts are split into ranges of

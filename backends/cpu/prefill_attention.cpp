@@ -2,8 +2,8 @@
 // whole context (this step's tokens, already written, plus any cached prefix) from the
 // paged cache, as two small matmuls per tile on `vdpbf16ps` with an online softmax.
 //
-// torch's CPU flash attention runs these shapes (head_dim 64, a few hundred tokens) at
-// ~70 GFLOP/s on a Zen 4 core pair; here each (request, KV head) first packs its keys and
+// torch's CPU flash attention runs these shapes (head_dim 64, a few hundred tokens) far
+// below the core pair's peak (benchmarks/results/design-measurements.md); here each (request, KV head) first packs its keys and
 // values once into VNNI pairs (shared by every query tile and the G query heads of that KV
 // head), then a tile of 16 queries of one head computes
 //   S = Q K^T      keys in lanes: a 32-key block is 2 vectors per dim pair, Q pairs broadcast

@@ -11,17 +11,14 @@ step streams the quantized weights once with integer dot products. The 4-bit
 types are repacked at load into the kernel's row-interleaved "r8" layout (8
 output rows per vector; 20 bytes per 32 weights with float16 scales for
 Q4_0/Q4_1, 24 with Q4_K's float32 ones), and so is Q8_0 where the path has
-VNNI (34 bytes, as in GGUF; a 49152 x 576 LM head on one Xeon AMX core: 2.76 ->
-1.12 ms at 4 rows, 1.05 ms at 1 row either way, where the weight stream is the
-bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step
+VNNI (34 bytes, as in GGUF; ~2.5x faster for a small-vocabulary LM head at a few
+rows, the same at 1 row, where the weight stream is the bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step
 of more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
 weight into the input's dtype and runs the dense matmul (oneDNN), faster there
-(measured on Zen 4, one thread: the r8 kernel wins up to ~40 rows: for a
-3072 x 576 Q4_1 matrix 0.26 ms vs ~0.5 ms at 16 rows, ~1 ms vs 0.75 ms at 64).
-The two paths round differently (int8 activations vs bfloat16 weights): a
-prompt computed whole and the same prompt after a prefix-cache hit (its few
-remaining rows) can then flip a near-tied greedy token (seen: 0.35 nats apart
-on a 0.08-nat tie). PREFILL_ROWS is 64, not 40, so that chat-sized prompts and
+(the r8 kernel wins up to ~40 rows on one thread). The two paths round differently
+(int8 activations vs bfloat16 weights): a prompt computed whole and the same
+prompt after a prefix-cache hit (its few remaining rows) can then flip a
+near-tied greedy token. PREFILL_ROWS is 64, not 40, so that chat-sized prompts and
 their cache hits take the same path; llama.cpp quantizes activations at every
 batch size instead, at 2-3x the prefill cost here.
 
@@ -47,9 +44,9 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_ge
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 MEASURE_ROWS = (1, 16)  # decode row counts the instruction-set paths are timed at (`measured_isa`)
 PREFILL_ROWS = 64  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
-# the LM head (Q8_0; rows = requests, not prompt), kernel vs dequantised dense, 49152 x 576 on 2 cores.
-# GGUF layout, Zen 4: 4.7 vs 7.4 ms at 16 rows, 7.9 vs 8.4 at 32, 16.1 vs 10.1 at 64. r8 layout (VNNI),
-# Xeon AMX: 1.9 vs 14.5 ms at 16 rows, 3.6 vs 15.1 at 32, 7.6 vs 16.5 at 64 (~0.12 ms a row vs ~15)
+# the LM head (Q8_0; rows = requests, not prompt): above these rows the dequantised dense matmul is
+# faster than the kernel, for the GGUF layout and the r8 layout (VNNI); figures in
+# benchmarks/results/design-measurements.md
 HEAD_PREFILL_ROWS = 32
 HEAD_PREFILL_ROWS_R8 = 128
 _declared: set[int] = set()

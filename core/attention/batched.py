@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import causal_mask, gather_context, write_kv
+from polyrunner.numeric import cdiv
 
 STATIC_DECODE = "static_decode"
 DECODE_WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -133,11 +134,11 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: t
         else:
             max_len = int(meta.seq_lens_np[:D].max())
             out[:D] = paged_decode(q[:D], kv_cache, meta.block_tables[:D], meta.seq_lens[:D], spec,
-                                   -(-max_len // block_size))
+                                   cdiv(max_len, block_size))
     qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
     for r in range(D, meta.num_reqs):
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-        blocks = meta.block_tables[r, : -(-seq_len // block_size)].long()
+        blocks = meta.block_tables[r, : cdiv(seq_len, block_size)].long()
         out[start:end] = _prefill_one(q[start:end], k[start:end], v[start:end], kv_cache,
                                       blocks, seq_len, spec)
     return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
+from polyrunner.numeric import cdiv
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,7 +57,7 @@ def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
     for r in range(meta.num_reqs):
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = cdiv(seq_len, block_size)
         ck, cv = gather_context(kv_cache, meta.block_tables[r, :num_blocks].long(), seq_len)
         mask = causal_mask(end - start, seq_len, spec.sliding_window, q.device)
         o = F.scaled_dot_product_attention(

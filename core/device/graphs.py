@@ -40,6 +40,7 @@ from polyrunner.attention.batched import STATIC_DECODE
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
+from polyrunner.numeric import cdiv
 
 if TYPE_CHECKING:
     from polyrunner.config import EngineConfig
@@ -300,7 +301,7 @@ class StaticGraphExecutor(GraphExecutor):
             self._kv, self._kv_ptrs = inputs.kv_caches, [t.data_ptr() for t in inputs.kv_caches]
             self._block_size = bs = inputs.kv_caches[0].shape[2]
             table = m.block_tables.shape[1]
-            self._width = table if self.length_adaptive else min(table, -(-self.max_seq_len_to_capture // bs))
+            self._width = table if self.length_adaptive else min(table, cdiv(self.max_seq_len_to_capture, bs))
         st, kv, W = self._static, self._kv, self._width
         st.load(inputs, B, W)
         meta = st.meta(B, W, self._block_size)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from polyrunner.models.arch import DecoderArch
+from polyrunner.numeric import cdiv
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class TPShard:
         kv_start = rank * kv_local if kv_padded >= size else rank * kv_padded // size
         q_local = kv_padded * group // size
         return cls(rank, size, q_local, kv_local, rank * q_local, kv_start, arch.intermediate_size // size,
-                   arch.vocab_size, -(-arch.vocab_size // size), arch.head_dim, heads, kv)
+                   arch.vocab_size, cdiv(arch.vocab_size, size), arch.head_dim, heads, kv)
 
     @property
     def vocab_start(self) -> int:

@@ -7,9 +7,9 @@ and its workers (ranks 1..N-1, which only run the model).
     init_tensor_parallel (rendezvous)  <-->  init_tensor_parallel
     load its shard, size the KV cache  <-->  load its shard, size the KV cache
       (every rank takes the smallest)
-    each step: broadcast the step      --->  runner.remove_requests(left slots)
-      then run it                            runner.execute(step)   (same tokens:
-                                             same logits, seeds and sampler)
+    each step: broadcast the step      --->  runner.execute(step)   (same tokens:
+      then run it                              same logits, seeds and sampler; the
+                                               step names the finished slots)
     shutdown: broadcast "stop", join   --->  leave the loop, destroy the group
 
 Faults: a worker that raises sends its error on its pipe and exits; one that
@@ -34,7 +34,7 @@ from typing import Any
 
 from polyrunner.distributed.group import TensorParallel
 from polyrunner.distributed.step_message import decode_step, encode_step, encode_stop
-from polyrunner.engine.scheduler import SchedulerOutput
+from polyrunner.step_channel import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0
@@ -123,16 +123,10 @@ class TPDriver:
     def __init__(self, tp: TensorParallel, workers: WorkerHandles) -> None:
         self.tp = tp
         self.workers = workers
-        self._removed: list[int] = []
         self._stopped = False
 
     def send_step(self, so: SchedulerOutput) -> None:
-        removed, self._removed = self._removed, []
-        self.guarded(lambda: self.tp.broadcast_bytes(encode_step(so, removed)))
-
-    def removed(self, slots: list[int]) -> None:
-        """Slots whose requests left; the workers drop them before the next step."""
-        self._removed.extend(slots)
+        self.guarded(lambda: self.tp.broadcast_bytes(encode_step(so)))
 
     def guarded(self, fn: Callable[[], Any]) -> Any:
         """`fn()`, with a failed collective reported as the failed rank's error."""
@@ -172,22 +166,15 @@ class TPDriverRunner:
         self.driver.send_step(so)
         return self.driver.guarded(lambda: self.runner.execute(so))
 
-    def remove_requests(self, slots: list[int]) -> None:
-        self.driver.removed(slots)
-        self.runner.remove_requests(slots)
 
 
 def serve_steps(tp: TensorParallel, runner) -> None:
     """A worker's loop: run what the driver sends until it says stop."""
     while True:
-        msg = decode_step(tp.broadcast_bytes(None))
-        if msg is None:
+        so = decode_step(tp.broadcast_bytes(None))
+        if so is None:
             return
-        removed, so = msg
-        if removed:
-            runner.remove_requests(removed)
-        if so is not None:
-            runner.execute(so)
+        runner.execute(so)
 
 
 def worker_main(rank: int, size: int, local_rank: int, init_method: str, config: dict[str, Any],

@@ -47,6 +47,7 @@ from polyrunner.engine.engine_loop import Command, CoreCounts, Event, rebuild_er
 from polyrunner.engine.engine_process import EngineProcess
 from polyrunner.engine.engine_thread import EngineThread
 from polyrunner.outputs import CompletionOutput, RequestOutput
+from polyrunner.prompt import Prompt
 from polyrunner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays light
@@ -55,7 +56,6 @@ if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays l
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | dict[str, Any]
 StreamItem: TypeAlias = RequestOutput | BaseException   # what a RequestStream's queue holds
 
 

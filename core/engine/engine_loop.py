@@ -122,14 +122,16 @@ class EngineLoop:
         engine = self.engine
         while True:
             events: list[Event] = []
-            for cmd in self.inbox.take(block=not engine.has_unfinished_requests()):
+            for cmd in self.inbox.take(block=not engine.has_requests()):
                 if cmd[0] == "stop":
                     for rid in list(self.active):
                         self._abort(rid, events)
+                    while engine.has_requests():   # the step in flight, then the hand-over of the slots
+                        engine.step()
                     self.report(events, self.counts())
                     return
                 self._apply(cmd, events)
-            if engine.has_unfinished_requests():
+            if engine.has_requests():
                 outs = engine.step()
                 if engine.rejected:
                     outs = self._rejections(outs, events)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from polyrunner.engine.block_pool import BlockKey, BlockPool, chain_keys
 from polyrunner.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from polyrunner.numeric import cdiv
 
 
 class KVCacheManager:

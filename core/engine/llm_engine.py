@@ -28,18 +28,20 @@ from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Backend
 from polyrunner.distributed.launch import start_tensor_parallel
 from polyrunner.distributed.workers import TPDriver, TPDriverRunner
-from polyrunner.engine.kv_manager import KVCacheManager, cdiv
+from polyrunner.engine.kv_manager import KVCacheManager
 from polyrunner.engine.model_setup import LoadedModel, load_runner
 from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.engine.request import Request, RequestStatus
-from polyrunner.engine.scheduler import Scheduler, SchedulerOutput
+from polyrunner.engine.scheduler import Scheduler
 from polyrunner.engine.tokenizer import Tokenizer
+from polyrunner.numeric import cdiv
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import create_backend
+from polyrunner.prompt import Prompt
 from polyrunner.runner.async_output import AsyncModelRunnerOutput
-from polyrunner.runner.output import ModelRunnerOutput
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.spec_decode.metrics import SpecDecodingStats
+from polyrunner.step_channel import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:   # imported with the first structured-output request
     from polyrunner.structured.compile_pool import GrammarCompilePool
@@ -48,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.02   # a step with only grammars to wait for sleeps at most this long for one
 
-Prompt = str | dict[str, Any]
 _EMPTY_PROMPT = "The decoder prompt cannot be empty"   # vLLM's wording
 
 
@@ -328,20 +329,30 @@ class LLMEngine:
         if self._grammar_waiters.pop(request_id, None) is not None:
             assert self.grammar_pool is not None   # waiters come from the pool
             self.grammar_pool.cancel(request_id)
-        aborted = [self.scheduler.abort(child) for child in self.outputs.children(request_id)]
-        self.runner.remove_requests([r.slot for r in aborted if r is not None and r.slot is not None])
+        for child in self.outputs.children(request_id):
+            self.scheduler.abort(child)   # the next step tells the runner
         self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still to finish, or (asynchronous scheduling) a step still in flight."""
+        """Requests still to finish, or (asynchronous scheduling) a step still in flight.
+        Finished requests' runner state is dropped by the next step (vLLM's
+        `finished_req_ids`), whenever that comes."""
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
+
+    def has_requests(self) -> bool:
+        """Work for `step()`: unfinished requests, a step in flight, or finished requests
+        whose slots the runner is still to be told of (a step without rows hands them
+        over). Loops that run the engine until idle test this (vLLM's engine core steps
+        while its scheduler `has_requests()`)."""
+        return self.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
     # ---- stepping -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch: schedule -> execute -> update -> outputs -> finish stop-string
         hits. Returns the outputs of requests that advanced (streaming ones every
         step, the others once finished). Finished requests' state leaves the
-        runner in this same step. Asynchronously, the batch whose outputs return
+        runner with the next step (`SchedulerOutput.finished_slots`; a step without
+        rows when nothing else runs). Asynchronously, the batch whose outputs return
         is the one queued by the previous call (the first call queues two), and
         its stop rules apply after the next batch was queued: a request that
         stopped ran one extra token there, which is dropped. Requests whose
@@ -369,7 +380,11 @@ class LLMEngine:
 
     def _queue(self) -> tuple[SchedulerOutput, AsyncModelRunnerOutput] | None:
         so = self.scheduler.schedule()
-        return None if so.is_empty else (so, self.runner.execute_async(so))
+        if not so.num_reqs:   # at most finished slots to hand over: no device work to queue
+            if not so.is_empty:
+                self.runner.execute(so)
+            return None
+        return so, self.runner.execute_async(so)
 
     def _process(self, so: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Update the scheduler and the outputs with a step's result; requests that
@@ -386,16 +401,10 @@ class LLMEngine:
         for rid, rows in result.prompt_logprobs.items():
             if self.outputs.parent_id(rid) is not None:
                 self.outputs.add_prompt_logprobs(rid, rows)
-        for req, stop in self.outputs.process(update.advanced, result.logprobs, update.num_new):
+        for req, stop, num_kept in self.outputs.process(update.advanced, result.logprobs, update.num_new):
             if not req.finished:
                 finished.append(req)
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)   # wins over length / EOS
-        if finished:
-            slots: list[int] = []
-            for req in finished:
-                assert req.slot is not None   # it ran this step
-                slots.append(req.slot)
-            self.runner.remove_requests(slots)
+            self.scheduler.stop_at(req, num_kept, stop)
         return self.outputs.outputs_for(update.advanced + failed if failed else update.advanced, finished)
 
     def _fail(self, req: Request, error: str) -> Request:

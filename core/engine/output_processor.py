@@ -93,11 +93,12 @@ class OutputProcessor:
 
     def process(self, advanced: list[Request],
                 logprobs: dict[str, tuple[list[int], list[float], int]],
-                num_new: list[int] | None = None) -> list[tuple[Request, str]]:
+                num_new: list[int] | None = None) -> list[tuple[Request, str, int]]:
         """Record this step's token of each advanced request (detokenize, logprobs);
-        returns the (request, stop string) pairs whose text hit a stop string.
+        returns (request, stop string, output tokens to keep) for each request whose text
+        hit a stop string (the scheduler finishes it: `Scheduler.stop_at`).
         `num_new`: tokens each advanced request got this step (None: one each)."""
-        hits: list[tuple[Request, str]] = []
+        hits: list[tuple[Request, str, int]] = []
         watched = self.watched
         if not watched:
             return hits
@@ -108,17 +109,19 @@ class OutputProcessor:
                 if not n:
                     continue
                 new = req.output_token_ids[-n:]
-                stop = self._stop_before_last(req, new) if n > 1 and req.params.stop else None
-                if stop is None:
+                hit = self._stop_before_last(req, new) if n > 1 and req.params.stop else None
+                if hit is None:
                     stop = self.update(req, new, logprobs.get(rid))
-                if stop is not None:
-                    hits.append((req, stop))
+                    hit = None if stop is None else (stop, len(req.output_token_ids))
+                if hit is not None:
+                    hits.append((req, *hit))
         return hits
 
-    def _stop_before_last(self, req: Request, new: list[int]) -> str | None:
+    def _stop_before_last(self, req: Request, new: list[int]) -> tuple[str, int] | None:
         """Several new tokens (speculative decoding): detokenize all but the last one by
-        one; a stop string completed by one of them ends the output there (the later
-        tokens are dropped, as without speculation). Leaves only the last for `update`."""
+        one; a stop string completed by one of them ends the output there: returns it and
+        the output tokens up to it (the later ones are dropped, as without speculation).
+        Else leaves only the last in `new` for `update`."""
         c = self._completions[req.request_id]
         if c.detok is None:
             return None
@@ -127,8 +130,7 @@ class OutputProcessor:
             after = n - 1 - j   # tokens after this one
             stop = c.detok.update(new[j:j + 1], check_stop=len(outputs) - after > req.params.min_tokens)
             if stop is not None:
-                del outputs[len(outputs) - after:]
-                return stop
+                return stop, len(outputs) - after
         new[:] = new[-1:]
         return None
 

@@ -53,7 +53,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0           # prompt tokens served by the prefix cache
     status: RequestStatus = RequestStatus.WAITING
-    finished: bool = False               # mirrors status.finished, cheap to test per step
     stop_reason: int | str | None = None
     error: str | None = None             # why it ended with FINISHED_ERROR
     num_preemptions: int = 0
@@ -62,6 +61,22 @@ class Request:
     priority: int = 0                    # priority scheduling: lower runs first
     arrival: int = 0                     # arrival order, stamped by the scheduler (ties of priority)
     _progress: np.ndarray | None = field(default=None, repr=False)   # the scheduler's, while slotted
+
+    @property
+    def finished(self) -> bool:
+        return self.status in _FINISHED
+
+    def attach(self, slot: int, progress: np.ndarray) -> None:
+        """Take `slot`; from now on progress lives at `progress[slot]` (the scheduler's array)."""
+        self.slot, self._progress = slot, progress
+
+    def detach(self) -> None:
+        """Give the slot back; progress reads 0 again."""
+        self.slot, self._progress = None, None
+
+    @property
+    def holds_slot(self) -> bool:
+        return self._progress is not None
 
     @property
     def num_computed_tokens(self) -> int:

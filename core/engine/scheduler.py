@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,64 +54,9 @@ from polyrunner.config import SchedulerConfig
 from polyrunner.engine.kv_manager import KVCacheManager
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.slots import SlotArrays
-from polyrunner.sampling_params import SamplingParams
+from polyrunner.numeric import cumsum_and_arange
 from polyrunner.spec_decode.metrics import SpecDecodingStats
-
-
-@dataclass
-class NewRequest:
-    """A request entering its slot for the first time: what the runner keeps."""
-
-    request_id: str
-    slot: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: frozenset[int]
-    bad_words_token_ids: list[list[int]] | None = None
-
-
-_NO_ROWS = np.zeros(0, np.int32)
-_NO_ROWS.flags.writeable = False
-
-
-@dataclass
-class SchedulerOutput:
-    """One step. Rows are the scheduled requests, decodes (one token) first.
-
-    `slots[i]` is row i's slot (the runner's `idx_mapping`); it computes
-    `num_scheduled[i]` tokens from position `num_computed[i]` (int64 arrays,
-    read-only for consumers); `samples[i]`: its sampled token counts. Block ids come as
-    deltas per slot: `new_block_ids[slot]` extends the slot's table, after the
-    table is emptied for slots in `reset_block_slots` (new or resumed requests).
-    """
-
-    requests: list[Request] = field(default_factory=list)
-    slots: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    num_scheduled: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    num_computed: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    new_block_ids: dict[int, list[int]] = field(default_factory=dict)
-    reset_block_slots: list[int] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    samples: np.ndarray = field(default_factory=lambda: _NO_ROWS)   # [R] bool: the row completes its
-    #   sequence and its sampled token counts (else a partial prefill, its sample is dropped)
-    num_finished_at_schedule: int = 0   # the scheduler's finished count when this step was made
-    # speculative decoding, None when no row has drafts this step: [R] draft tokens scheduled
-    # (the last ones of the row's num_scheduled), [R, k] their ids (the first num_draft_tokens[i])
-    num_draft_tokens: np.ndarray | None = None
-    draft_token_ids: np.ndarray | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.requests)
-
-    @property
-    def total_num_tokens(self) -> int:
-        return int(self.num_scheduled.sum())
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
+from polyrunner.step_channel import NO_ROWS, NewRequest, SchedulerOutput
 
 
 @dataclass
@@ -122,6 +67,20 @@ class StepUpdate:
     advanced: list[Request]
     finished: list[Request]
     num_new: list[int] | None = None   # tokens appended per advanced request (None: one each)
+
+
+@dataclass
+class RunningPlan:
+    """The running requests a step schedules (row order): their slots, token counts and
+    computed tokens, the step's total token count, and the draft tokens among each row's
+    count (None: no drafts this step)."""
+
+    rows: list[Request]
+    slots: np.ndarray
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    total: int
+    drafts: np.ndarray | None
 
 
 def _priority_key(req: Request) -> tuple[int, int]:
@@ -146,6 +105,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._running_slots: np.ndarray | None = None   # slots of `running`, rebuilt on change
         self._num_finished = 0                  # requests finished so far
+        self._finished_slots: list[int] = []    # freed since the last step: the next step tells the runner
         self.num_in_flight = 0                  # steps scheduled and not yet updated
 
     # ---- admission -------------------------------------------------------
@@ -184,6 +144,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_fsm)
 
+    def has_finished_requests(self) -> bool:
+        """Finished requests whose slots the runner has not been told of yet (vLLM's name):
+        the next `schedule()` hands them over, even without rows to run."""
+        return bool(self._finished_slots)
+
     @property
     def num_waiting(self) -> int:
         """Requests not running: queued, preempted, or waiting for their grammar."""
@@ -198,14 +163,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. May be called again before this step's `update` (see the
         module docstring); every non-empty step must be updated, in order."""
-        out = SchedulerOutput(num_finished_at_schedule=self._num_finished)
+        out = SchedulerOutput(num_finished_at_schedule=self._num_finished, finished_slots=self._finished_slots)
+        self._finished_slots = []
         budget = self.config.max_num_batched_tokens
-        rows, slots, counts, computed, total, drafts = self._schedule_running(out, budget)
-        admitted = self._admit(out, budget - total)
+        plan = self._schedule_running(out, budget)
+        rows, slots, counts, computed = plan.rows, plan.slots, plan.num_scheduled, plan.num_computed
+        drafts = plan.drafts
+        admitted = self._admit(out, budget - plan.total)
         if not admitted:
             if not rows:
                 return out
-            if total == len(rows):   # all decodes: already decode-first
+            if plan.total == len(rows):   # all decodes: already decode-first
                 out.requests, out.slots, out.num_scheduled, out.num_computed = rows, slots, counts, computed
                 return self._advance(out)
         else:
@@ -261,12 +229,9 @@ class Scheduler:
             budget -= n
         return take
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int
-                          ) -> tuple[list[Request], np.ndarray, np.ndarray, np.ndarray, int, np.ndarray | None]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> RunningPlan:
         """Plan the running requests, preempting the newest while the blocks the plan
-        needs exceed the free ones; allocate. Returns the scheduled rows, their
-        slots, token counts, computed tokens, the total token count, and the draft
-        tokens among each row's count (None: no drafts this step)."""
+        needs exceed the free ones; allocate."""
         bs = self.kv.block_size
         a = self.slots
         use_drafts = self.num_speculative_tokens > 0
@@ -304,7 +269,7 @@ class Scheduler:
                 continue
             self._preempt(self._victim(), out)
         else:
-            return [], _NO_ROWS, _NO_ROWS, _NO_ROWS, 0, None
+            return RunningPlan([], NO_ROWS, NO_ROWS, NO_ROWS, 0, None)
         running = self.running
         for i in grow.tolist():
             req = running[i]
@@ -319,10 +284,10 @@ class Scheduler:
                 req = running[i]   # a token still in flight is not known yet: no key for its block
                 self.kv.mark_computing(req, min(int(take[i]), req.num_tokens - int(nc[i])))
         if need is None or take.all():
-            return list(running), slots, take, nc, total, drafts
+            return RunningPlan(list(running), slots, take, nc, total, drafts)
         keep = np.flatnonzero(take)
-        return ([running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep], total,
-                None if drafts is None else drafts[keep])
+        return RunningPlan([running[i] for i in keep.tolist()], slots[keep], take[keep], nc[keep], total,
+                           None if drafts is None else drafts[keep])
 
     @staticmethod
     def _fit_drafts(drafts: np.ndarray, budget: int) -> np.ndarray:
@@ -391,7 +356,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         if not resumed:
             self.slots.release(req)
-            req.slot = None
 
     def _victim(self) -> Request:
         """Take the running request to preempt off `running`: the newest (fcfs), or the
@@ -426,7 +390,7 @@ class Scheduler:
         Speculative decoding: `tokens` [R, k + 1] with `num_sampled` [R] tokens per
         row (accepted drafts + 1), and the drafts proposed for each row's next step
         (`draft_token_ids` [R, k], `num_draft_tokens` [R]); see the module docstring."""
-        if out.is_empty:
+        if not out.num_reqs:
             return StepUpdate([], [])
         if num_sampled is not None:
             return self._update_spec(out, tokens, num_sampled, draft_token_ids, num_draft_tokens)
@@ -474,13 +438,19 @@ class Scheduler:
         if n_out >= req.max_tokens or len(req.prompt_token_ids) + n_out >= self.max_model_len:
             self.finish(req, RequestStatus.FINISHED_LENGTH)
 
-    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """End a request: frees its blocks and slot. A request that already finished
-        this step only takes the new status and reason (a stop string found in the
-        text wins over the length / EOS rule that ended it)."""
+    def stop_at(self, req: Request, num_output_tokens: int, stop: str) -> None:
+        """A stop string ended `req`'s text after its first `num_output_tokens` output tokens
+        (the later ones are dropped): it finishes as stopped with `stop` as its reason, also
+        when the length / EOS rules already finished it this step (the stop string wins)."""
+        del req.output_token_ids[num_output_tokens:]
         if req.finished:
-            req.status, req.stop_reason = status, stop_reason
-            return
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        else:
+            self.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End an unfinished request: frees its blocks and slot (the next step tells the runner)."""
+        assert not req.finished, f"request {req.request_id!r} finished twice"
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self._running_slots = None
@@ -488,12 +458,14 @@ class Scheduler:
             self.waiting_for_fsm.pop(req.request_id, None)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req.holds_slot:   # the runner holds state for it (admitted at least once)
+            assert req.slot is not None
+            self._finished_slots.append(req.slot)
         req.status = status
-        req.finished = True
         self._num_finished += 1
         req.stop_reason = stop_reason
         self.kv.free(req)
-        self.slots.release(req)   # `req.slot` still names it, for the runner
+        self.slots.release(req)
         del self.requests[req.request_id]
 
     def _update_spec(self, out: SchedulerOutput, tokens: np.ndarray, num_sampled: np.ndarray,
@@ -516,7 +488,7 @@ class Scheduler:
         a.num_computed[adv_slots] = num_tokens - 1   # rejected positions rolled back
         # stop candidates among the new tokens, in order (flattened row-major)
         flat_row = np.repeat(np.arange(len(rows)), ns)
-        flat_pos = np.arange(len(flat_row)) - np.repeat(np.cumsum(ns) - ns, ns)
+        flat_pos = cumsum_and_arange(ns)[1]
         flat_tok = tokens[rows[flat_row], flat_pos]
         cand = a.may_stop(adv_slots[flat_row], flat_tok, before[flat_row] + flat_pos + 1)
         stops: dict[int, list[int]] = {}

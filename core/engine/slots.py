@@ -50,7 +50,7 @@ class SlotArrays:
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} request slots are taken")
         slot = heapq.heappop(self._free)
-        req.slot, req._progress = slot, self.num_computed
+        req.attach(slot, self.num_computed)
         self.num_computed[slot] = self.num_blocks[slot] = self.num_drafts[slot] = 0
         self.num_tokens[slot] = req.num_tokens
         self.length_limit[slot] = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
@@ -67,13 +67,12 @@ class SlotArrays:
         return slot
 
     def release(self, req: Request) -> None:
-        """Free the request's slot; `req.slot` keeps the number (the runner drops
-        that slot's state), its progress reads 0 again."""
-        if req._progress is None:
+        """Free the request's slot (it holds none afterwards)."""
+        if not req.holds_slot:
             return
-        assert req.slot is not None   # set with _progress by `assign`
+        assert req.slot is not None   # set with its progress by `assign`
         heapq.heappush(self._free, req.slot)
-        req._progress = None
+        req.detach()
         if len(self._free) == self.num_slots:
             self.stop_table = np.zeros(1, bool)   # nobody left: forget old stop ids
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from polyrunner.device.backend import HostFuture
-from polyrunner.runner.output import ModelRunnerOutput
+from polyrunner.step_channel import ModelRunnerOutput
 
 if TYPE_CHECKING:
     from polyrunner.sample.logprobs import LogprobsTensors

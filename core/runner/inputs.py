@@ -15,8 +15,9 @@ import numpy as np
 import numpy.typing as npt
 
 from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT
-from polyrunner.engine.scheduler import SchedulerOutput
+from polyrunner.numeric import cumsum_and_arange
 from polyrunner.runner.states import RequestStates
+from polyrunner.step_channel import SchedulerOutput
 
 
 @dataclass
@@ -35,14 +36,6 @@ class StepInputs:
     block_tables: np.ndarray      # [R_pad, max_blocks] int32
     logits_indices: np.ndarray    # [R_pad] int64
     discard: np.ndarray           # [R] bool: partial prefill, sample thrown away
-
-
-def cumsum_and_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[2,5,3] -> cumsum [2,7,10], arange within each count [0,1,0,1,2,3,4,0,1,2]."""
-    cu = np.cumsum(counts)
-    total = int(cu[-1]) if len(cu) else 0
-    arange = np.arange(total) - np.repeat(cu - counts, counts)
-    return cu, arange
 
 
 def _padded(a: np.ndarray, n: int, fill: int, dtype: npt.DTypeLike) -> np.ndarray:
@@ -129,8 +122,7 @@ def dummy_step(num_tokens: int, num_reqs: int, max_blocks: int) -> StepInputs:
     num_reqs = max(1, min(num_reqs, num_tokens))
     counts = np.full(num_reqs, num_tokens // num_reqs, np.int64)
     counts[num_reqs - num_tokens % num_reqs:] += num_tokens % num_reqs > 0  # longer rows last (decode-first)
-    cu = np.cumsum(counts)
-    arange = np.arange(num_tokens) - np.repeat(cu - counts, counts)
+    cu, arange = cumsum_and_arange(counts)
     qsl = np.zeros(num_reqs + 1, np.int32)
     qsl[1:] = cu
     return StepInputs(

@@ -5,14 +5,18 @@ Everything here is numpy on the host and plain torch on `backend.device`; the
 backend supplies padding, KV allocation, attention, graph execution and
 transfers, and may supply its own sampling function (`GraphExecutor.sample`).
 
-`execute` runs a step and waits for its tokens. `execute_async` queues a step
-and returns at once (`AsyncModelRunnerOutput`): the next step, prepared while
-this one runs, reads this one's tokens on the device (asynchronous scheduling).
+A step runs as named stages, each holding its variations (asynchronous
+scheduling, draft tokens) inside: `_update_states` (finished slots out, new
+requests in, block deltas) -> `_prepare_inputs` -> `executor.run` -> `_logits`
+-> `_sample` -> the output stage. `execute` runs a step and waits for its
+tokens (`_output`); `execute_async` queues one and returns at once
+(`_queue_output`, an `AsyncModelRunnerOutput`): the next step, prepared while
+this one runs, reads this one's tokens on the device.
 
 Speculative decoding (`config.speculative`): after each step the proposer drafts
 tokens for the rows that may take them; a step that schedules drafts computes
 logits at every draft position and verifies them with the rejection sampler
-(`_execute_spec`). Rows whose sampling depends on the tokens before each
+(`_sample_drafts`). Rows whose sampling depends on the tokens before each
 position in ways the batch metadata cannot express per position (penalties,
 bad words, logits processors, min_tokens not reached) or that report logprobs
 get no drafts, so every token is drawn from exactly the normal sampler's
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,17 +38,49 @@ from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Backend, GraphExecutor, ModelInputs, model_compute_logits
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.distributed.logits import GatherLogits
-from polyrunner.engine.scheduler import SchedulerOutput
 from polyrunner.models.arch import DecoderArch
+from polyrunner.numeric import cdiv, cumsum_and_arange
 from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
-from polyrunner.runner.inputs import StepInputs, dummy_step, next_decode_inputs, pad_dummy, prepare_inputs
-from polyrunner.runner.output import LogprobRow, ModelRunnerOutput
+from polyrunner.runner.inputs import (
+    StepInputs,
+    dummy_step,
+    next_decode_inputs,
+    pad_dummy,
+    prepare_inputs,
+)
 from polyrunner.runner.states import RequestStates
-from polyrunner.sample import SamplerOutput, SamplingMetadata, SamplingState, compute_prompt_logprobs
+from polyrunner.sample import LogprobsTensors, SamplingMetadata, SamplingState, compute_prompt_logprobs
 from polyrunner.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from polyrunner.spec_decode.proposer import Proposer, make_proposer
+from polyrunner.step_channel import LogprobRow, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LastDecode:
+    """The last step, when it was an unpadded all-decode step."""
+
+    slots: np.ndarray
+    step: StepInputs
+    inputs: ModelInputs
+    tokens: np.ndarray | None   # its sampled tokens; None while they are on the device
+
+
+@dataclass
+class Sampled:
+    """The sample stage's result. `token_ids`: one token per row on the device; with
+    drafts instead `spec_tokens` [R, k + 1] on the host (accepted drafts, then the
+    sampled token) and `num_sampled` [R]. `errors`: batch row -> why its own code failed."""
+
+    token_ids: torch.Tensor | None
+    errors: dict[int, str]
+    logprobs: LogprobsTensors | None
+    logprob_rows: list[tuple[int, str, int]]   # (batch row, request id, logprobs asked)
+    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
+    spec_tokens: np.ndarray | None = None
+    num_sampled: np.ndarray | None = None
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, backend: Backend, model: torch.nn.Module,
@@ -58,7 +95,7 @@ class ModelRunner:
         self.arch = arch
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
-        self.max_blocks_per_req = -(-max_model_len // self.block_size)
+        self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         backend.executor = backend.make_executor(model)   # the backend's own, read by its later members
         self.executor: GraphExecutor | GatherLogits = backend.executor
         self.buckets = backend.bucket_policy()   # after the executor: it may depend on what that made
@@ -72,10 +109,7 @@ class ModelRunner:
         sampling = SamplingState(num_slots, arch.vocab_size, backend.device,
                                  backend.make_generator(config.model.seed), config.model.logprobs_mode)
         self.states = RequestStates(num_slots, max_model_len, self.max_blocks_per_req, self.block_size, sampling)
-        # the last step, when it was an unpadded all-decode step: (its slots, host
-        # inputs, device inputs, sampled tokens or None while on the device); the next
-        # such step on the same slots advances it
-        self._last_decode: tuple[np.ndarray, StepInputs, ModelInputs, np.ndarray | None] | None = None
+        self._last_decode: LastDecode | None = None   # the next all-decode step on its slots advances it
         self._in_flight: AsyncModelRunnerOutput | None = None   # the last step `execute_async` queued
         self._decode_ready = False   # the last step is an unpadded all-decode step
         spec = config.speculative
@@ -160,105 +194,152 @@ class ModelRunner:
                     sampling.clear_row(slot)
 
     # ---- per-request state ----------------------------------------------------
-    def remove_requests(self, slots: list[int]) -> None:
-        """Drop the state of finished requests (called in the step they finish; with a
-        step in flight, that step's rows of these slots are dropped)."""
-        for slot in slots:
-            self.states.remove(slot)
-        if slots:
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """The step's changes to the slots, in order: drop the finished requests (and their
+        rows of a step still in flight), add the new ones (maybe into those very slots),
+        apply the block-id deltas."""
+        states = self.states
+        if so.finished_slots:
+            for slot in so.finished_slots:
+                states.remove(slot)
             self._last_decode = None
             if self._in_flight is not None:
-                self._in_flight.drop_slots(slots)
+                self._in_flight.drop_slots(so.finished_slots)
+        for new in so.new_requests:
+            seed = new.params.seed
+            states.add(new, self.backend.make_generator(seed) if seed is not None else None)
+        states.apply(so)
 
-    # ---- one step -----------------------------------------------------------
+    # ---- one step: update states -> prepare inputs -> run -> logits -> sample -> output
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step: apply its deltas, gather inputs by slot, run the
-        model, sample, wait for the tokens. An unpadded all-decode step on the slots
-        of the previous one advances that step's inputs (`next_decode_inputs`)
-        instead of rebuilding them."""
-        if so.num_draft_tokens is not None:
-            return self._execute_spec(so)
-        states = self.states
-        step, inputs = self._prepare(so)
-        R = so.num_reqs
+        """Run one scheduled step and wait for its tokens. A step without rows only
+        drops its finished slots."""
+        if not so.num_reqs:
+            self._update_states(so)
+            return ModelRunnerOutput(np.zeros(0, np.int64))
+        step, inputs, sampled = self._forward(so, None)
+        return self._output(so, step, inputs, sampled)
+
+    def execute_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Queue one scheduled step (with rows); its tokens arrive later (`get_output()`).
+        The step in flight before it must be the previous one: its tokens feed this step's
+        inputs on the device and are written into the token rows before this step samples."""
+        prev = self._in_flight
+        step, inputs, sampled = self._forward(so, prev)
+        return self._queue_output(so, step, inputs, sampled)
+
+    def _forward(self, so: SchedulerOutput, prev: AsyncModelRunnerOutput | None
+                 ) -> tuple[StepInputs, ModelInputs, Sampled]:
+        """The stages up to the sampled tokens (still on the device, except with drafts)."""
+        self._update_states(so)
+        step, inputs = self._prepare_inputs(so, prev)
         with self.backend.no_grad():
             hidden = self.executor.run(inputs)
-            logits = self.executor.compute_logits(hidden, inputs, R)
-            meta, out, prompt_lps = self._sample(so, step, hidden, logits)
-        tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R].astype(np.int64, copy=False)
-        keep = np.flatnonzero(~step.discard) if step.discard.any() else None
-        states.append(so.slots if keep is None else so.slots[keep], tokens if keep is None else tokens[keep])
-        result = ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=meta.failed_rows)
-        if out.logprobs is not None:
-            lists = out.logprobs.tolists()
-            for r, req_id, k in self._logprob_rows(so, step, meta):
+            logits = self._logits(so, hidden, inputs)
+            if prev is not None:
+                prev.resolve()   # waits for the previous step only; this one is queued behind it
+            sampled = self._sample(so, step, logits)
+            if self.states.prompt_logprobs_done:
+                sampled.prompt_logprobs = self._prompt_logprobs(hidden, step, so)
+        return step, inputs, sampled
+
+    def _logits(self, so: SchedulerOutput, hidden: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """Logits of each row's last token, or (drafts) of each row's last token and drafts."""
+        if so.num_draft_tokens is None:
+            return self.executor.compute_logits(hidden, inputs, so.num_reqs)
+        num_virtual = int(so.num_draft_tokens.sum()) + so.num_reqs
+        return self.executor.compute_logits(hidden, inputs, num_virtual)[:num_virtual]
+
+    def _sample(self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor) -> Sampled:
+        """One token per row (`executor.sample`), or with drafts the rejection sampler's."""
+        states = self.states
+        if so.num_draft_tokens is not None:
+            return self._sample_drafts(so, step, logits)
+        meta = states.sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
+                                             states.num_tokens, step.discard)
+        out = self.executor.sample(logits, meta)
+        return Sampled(out.sampled_token_ids, meta.failed_rows, out.logprobs,
+                       self._logprob_rows(so, step, meta) if out.logprobs is not None else [])
+
+    def _sample_drafts(self, so: SchedulerOutput, step: StepInputs, logits: torch.Tensor) -> Sampled:
+        """Row i's last token and its `so.num_draft_tokens[i]` drafts each have logits (a
+        "virtual row" with the row's sampling parameters); the rejection sampler keeps the
+        accepted drafts and one more token. A step with a row that reports logprobs
+        samples only each row's first position (drafts rejected)."""
+        states, sampling = self.states, self.states.sampling
+        num_drafts, draft_ids = so.num_draft_tokens, so.draft_token_ids
+        assert num_drafts is not None and draft_ids is not None
+        counts = num_drafts.astype(np.int64) + 1
+        meta = sampling.make_metadata(np.repeat(so.slots, counts), states.token_ids, states.num_prompt_tokens,
+                                      states.num_tokens, np.repeat(step.discard, counts))
+        self._draft_bitmask(meta, so)
+        if meta.max_num_logprobs is None:
+            own = sampling.generators_by_row(so.slots, step.discard)
+            tokens, num_sampled = rejection_sample(logits, meta, draft_ids, num_drafts, own,
+                                                   sampling.default_generator)
+            row_of_virtual = np.repeat(np.arange(so.num_reqs), counts)
+            errors = {int(row_of_virtual[v]): msg for v, msg in meta.failed_rows.items()}
+            return Sampled(None, errors, None, [], spec_tokens=tokens, num_sampled=num_sampled)
+        # logprobs are reported per sampled token by the normal sampler
+        first = torch.from_numpy(np.cumsum(counts) - counts).to(logits.device)
+        meta = sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
+                                      states.num_tokens, step.discard)
+        out = self.executor.sample(logits[first], meta)
+        R = so.num_reqs
+        tokens = np.full((R, draft_ids.shape[1] + 1), PLACEHOLDER_TOKEN_ID, np.int64)
+        tokens[:, 0] = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R]
+        rows = self._logprob_rows(so, step, meta) if out.logprobs is not None else []
+        return Sampled(None, meta.failed_rows, out.logprobs, rows, spec_tokens=tokens,
+                       num_sampled=np.ones(R, np.int64))
+
+    def _output(self, so: SchedulerOutput, step: StepInputs, inputs: ModelInputs,
+                sampled: Sampled) -> ModelRunnerOutput:
+        """Synchronous output stage: wait for the tokens, append them to the rows whose
+        sample counts, build the step's output; propose the next drafts."""
+        states, R = self.states, so.num_reqs
+        kept = np.flatnonzero(~step.discard) if step.discard.any() else None
+        if sampled.spec_tokens is None:
+            assert sampled.token_ids is not None
+            tokens = self.backend.to_host_async(sampled.token_ids).result().numpy()[:R].astype(np.int64, copy=False)
+            states.append(so.slots if kept is None else so.slots[kept], tokens if kept is None else tokens[kept])
+            spec_tokens, num_sampled = (tokens[:, None], np.ones(R, np.int64)) if self.proposer else (None, None)
+        else:
+            spec_tokens, num_sampled = sampled.spec_tokens, sampled.num_sampled
+            assert num_sampled is not None
+            keep = np.arange(R) if kept is None else kept
+            states.append_tokens(so.slots[keep], spec_tokens[keep], num_sampled[keep])
+            tokens = spec_tokens[:, 0].copy()
+        result = ModelRunnerOutput(tokens, prompt_logprobs=sampled.prompt_logprobs, errors=sampled.errors,
+                                   sampled_token_ids=spec_tokens, num_sampled=num_sampled)
+        if sampled.logprobs is not None:
+            lists = sampled.logprobs.tolists()
+            for r, req_id, k in sampled.logprob_rows:
                 result.logprobs[req_id] = lists.row(r, k)
         if self._decode_ready:
-            self._last_decode = (so.slots, step, inputs, tokens)
+            self._last_decode = LastDecode(so.slots, step, inputs, tokens)
         if self.proposer is not None:
-            result.sampled_token_ids, result.num_sampled = tokens[:, None], np.ones(R, np.int64)
             self._propose(so, step, result)
         return result
 
-    # ---- speculative decoding ---------------------------------------------------
-    def _execute_spec(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """A step with draft tokens: row i computes its last token and its
-        `so.num_draft_tokens[i]` drafts; each of those positions yields logits
-        (a "virtual row" with the row's sampling parameters); the rejection sampler
-        keeps the accepted drafts and one more token. A step with a row that
-        reports logprobs samples only each row's first position (drafts rejected)."""
+    def _queue_output(self, so: SchedulerOutput, step: StepInputs, inputs: ModelInputs,
+                      sampled: Sampled) -> AsyncModelRunnerOutput:
+        """Asynchronous output stage: start the tokens' copy to the host, hold their places
+        in the token rows with placeholders, return the step in flight."""
+        assert sampled.token_ids is not None   # no drafts with asynchronous scheduling
         states = self.states
-        num_drafts, draft_ids = so.num_draft_tokens, so.draft_token_ids
-        assert num_drafts is not None and draft_ids is not None
-        states.write_drafts(so.slots, draft_ids, num_drafts)
-        step, inputs = self._prepare(so)
-        R = so.num_reqs
-        counts = num_drafts.astype(np.int64) + 1
-        cu = np.cumsum(counts)
-        within = np.arange(int(cu[-1])) - np.repeat(cu - counts, counts)
-        ends = step.query_start_loc[1:R + 1].astype(np.int64)
-        logits_idx = np.repeat(ends - counts, counts) + within
-        inputs.logits_indices = self.backend.to_device(logits_idx)
-        Rv = len(logits_idx)
-        virtual_slots = np.repeat(so.slots, counts)
-        row_of_virtual = np.repeat(np.arange(R), counts)
-        sampling = states.sampling
-        logprob_rows: list[tuple[int, str, int]] = []
-        with self.backend.no_grad():
-            hidden = self.executor.run(inputs)
-            logits = self.executor.compute_logits(hidden, inputs, Rv)[:Rv]
-            meta = sampling.make_metadata(virtual_slots, states.token_ids, states.num_prompt_tokens,
-                                          states.num_tokens, np.repeat(step.discard, counts))
-            self._draft_bitmask(meta, so)
-            if meta.max_num_logprobs is None:
-                sampled, num_sampled = rejection_sample(
-                    logits, meta, draft_ids, num_drafts, self._generators(so, step),
-                    sampling.default_generator)
-                errors = {int(row_of_virtual[v]): msg for v, msg in meta.failed_rows.items()}
-                logprobs = None
-            else:   # logprobs are reported per sampled token by the normal sampler
-                first = torch.from_numpy(cu - counts).to(logits.device)
-                meta = sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
-                                              states.num_tokens, step.discard)
-                out = self.executor.sample(logits[first], meta)
-                tokens = self.backend.to_host_async(out.sampled_token_ids).result().numpy()[:R]
-                sampled = np.full((R, draft_ids.shape[1] + 1), PLACEHOLDER_TOKEN_ID, np.int64)
-                sampled[:, 0] = tokens
-                num_sampled = np.ones(R, np.int64)
-                errors, logprobs = meta.failed_rows, out.logprobs
-                if logprobs is not None:
-                    logprob_rows = self._logprob_rows(so, step, meta)
-            prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
-        keep = np.flatnonzero(~step.discard)
-        states.append_tokens(so.slots[keep], sampled[keep], num_sampled[keep])
-        result = ModelRunnerOutput(sampled[:, 0].copy(), prompt_logprobs=prompt_lps, errors=errors,
-                                   sampled_token_ids=sampled, num_sampled=num_sampled)
-        if logprobs is not None:
-            lists = logprobs.tolists()
-            for r, req_id, k in logprob_rows:
-                result.logprobs[req_id] = lists.row(r, k)
-        self._propose(so, step, result)
-        return result
+        kept = np.flatnonzero(~step.discard)
+        kept_slots = so.slots[kept]
+        positions = states.num_tokens[kept_slots].astype(np.int64)
+        states.append(kept_slots, PLACEHOLDER)
+        prompt_lps, errors = sampled.prompt_logprobs, sampled.errors
+        self._in_flight = AsyncModelRunnerOutput(
+            self.backend.to_host_async(sampled.token_ids), sampled.token_ids, so.slots, kept, positions,
+            states.num_slots, states.token_ids,
+            lambda tokens: ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=errors),
+            sampled.logprobs, sampled.logprob_rows)
+        if self._decode_ready:
+            self._last_decode = LastDecode(so.slots, step, inputs, None)
+        return self._in_flight
 
     def _draft_bitmask(self, meta: SamplingMetadata, so: SchedulerOutput) -> None:
         """Structured outputs: each virtual row's mask is the grammar's after the row's
@@ -277,19 +358,6 @@ class ModelRunner:
             meta.grammar_bitmask = torch.from_numpy(bitmask.numpy()[rows]).to(self.backend.device)
             meta.grammar_rows = torch.from_numpy(rows).to(self.backend.device)
 
-    def _generators(self, so: SchedulerOutput, step: StepInputs) -> dict[int, torch.Generator]:
-        """Batch row -> generator of the seeded random rows (their own streams)."""
-        sampling = self.states.sampling
-        gens: dict[int, torch.Generator] = {}
-        if sampling.generators:
-            row_of = np.full(self.states.num_slots, -1, np.int64)
-            row_of[so.slots] = np.arange(so.num_reqs)
-            for slot, gen in sampling.generators.items():
-                r = int(row_of[slot])
-                if r >= 0 and not sampling.greedy[slot] and not step.discard[r]:
-                    gens[r] = gen
-        return gens
-
     def _propose(self, so: SchedulerOutput, step: StepInputs, result: ModelRunnerOutput) -> None:
         """Drafts for each row's next step (rows that may take them, see the module
         docstring), into `result`."""
@@ -307,62 +375,33 @@ class ModelRunner:
         result.draft_token_ids, result.num_draft_tokens = self.proposer.propose(
             states.token_ids, slots, num_tokens, np.where(may, k, 0))
 
-    def execute_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """Queue one scheduled step; its tokens arrive later (`get_output()`). The
-        step in flight before it must be the previous one: its tokens feed this
-        step's inputs on the device and are written into the token rows before
-        this step samples."""
-        states = self.states
-        prev = self._in_flight
-        step, inputs = self._prepare(so, prev)
-        R = so.num_reqs
-        with self.backend.no_grad():
-            hidden = self.executor.run(inputs)
-            logits = self.executor.compute_logits(hidden, inputs, R)
-            if prev is not None:
-                prev.resolve()   # waits for the previous step only; this one is queued behind it
-            meta, out, prompt_lps = self._sample(so, step, hidden, logits)
-        sampled = out.sampled_token_ids
-        future = self.backend.to_host_async(sampled)
-        kept = np.flatnonzero(~step.discard)
-        kept_slots = so.slots[kept]
-        positions = states.num_tokens[kept_slots].astype(np.int64)
-        states.append(kept_slots, PLACEHOLDER)
-        errors = meta.failed_rows
-        self._in_flight = AsyncModelRunnerOutput(
-            future, sampled, so.slots, kept, positions, states.num_slots, states.token_ids,
-            lambda tokens: ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=errors),
-            out.logprobs, self._logprob_rows(so, step, meta) if out.logprobs is not None else None)
-        if self._decode_ready:
-            self._last_decode = (so.slots, step, inputs, None)
-        return self._in_flight
-
-    def _prepare(self, so: SchedulerOutput, prev: AsyncModelRunnerOutput | None = None
-                 ) -> tuple[StepInputs, ModelInputs]:
-        """Apply the step's deltas and build its inputs on the device (tokens still
-        on the device come from `prev`, the step in flight). Sets `_decode_ready`:
+    def _prepare_inputs(self, so: SchedulerOutput, prev: AsyncModelRunnerOutput | None
+                        ) -> tuple[StepInputs, ModelInputs]:
+        """The step's inputs on the device (tokens still on the device come from `prev`, the
+        step in flight; drafts are written after each row's tokens and give logits rows).
+        An unpadded all-decode step on the slots of the previous one advances that step's
+        inputs (`next_decode_inputs`) instead of rebuilding them. Sets `_decode_ready`:
         the next step may advance this one's inputs."""
         states = self.states
-        for new in so.new_requests:
-            seed = new.params.seed
-            states.add(new, self.backend.make_generator(seed) if seed is not None else None)
-        states.apply(so)
+        if so.num_draft_tokens is not None:
+            assert so.draft_token_ids is not None
+            states.write_drafts(so.slots, so.draft_token_ids, so.num_draft_tokens)
         last, self._last_decode = self._last_decode, None
         R, T = so.num_reqs, so.total_num_tokens
         T_pad, R_pad = self.buckets.pad(T, R)
         all_decode = T == R and T_pad == T and R_pad == R
         step = None
         if (all_decode and last is not None and not so.new_block_ids
-                and (last[0] is so.slots or np.array_equal(last[0], so.slots))):
-            on_device = last[3] is None   # the host ids stay placeholders: the tokens are on the device
-            sampled = last[3] if last[3] is not None else np.full(R, PLACEHOLDER, np.int64)
-            step = next_decode_inputs(last[1], sampled, self.block_size)
+                and (last.slots is so.slots or np.array_equal(last.slots, so.slots))):
+            on_device = last.tokens is None   # the host ids stay placeholders: the tokens are on the device
+            sampled = last.tokens if last.tokens is not None else np.full(R, PLACEHOLDER, np.int64)
+            step = next_decode_inputs(last.step, sampled, self.block_size)
             if step is not None:
                 fed = None
                 if on_device:
                     assert prev is not None
                     fed = prev.sampled[:R].to(torch.int64)
-                inputs = self._to_device(step, last[2], fed)
+                inputs = self._to_device(step, last.inputs, fed)
         if step is None:
             step = prepare_inputs(states, so, T_pad, R_pad)
             write = None if prev is None else prev.feed_input_ids(
@@ -370,20 +409,15 @@ class ModelRunner:
             inputs = self._to_device(step)
             if write is not None:
                 write(inputs.input_ids)
+        if so.num_draft_tokens is not None:   # logits at each row's last token and at its drafts
+            counts = so.num_draft_tokens.astype(np.int64) + 1
+            ends = step.query_start_loc[1:R + 1].astype(np.int64)
+            inputs.logits_indices = self.backend.to_device(np.repeat(ends - counts, counts)
+                                                           + cumsum_and_arange(counts)[1])
         # a one-token prefill chunk looks like a decode, but its sample is discarded:
         # the next step's input is the prompt's next token, not that sample
         self._decode_ready = all_decode and not step.discard.any()
         return step, inputs
-
-    def _sample(self, so: SchedulerOutput, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
-                ) -> tuple[SamplingMetadata, SamplerOutput, dict[str, list[LogprobRow]]]:
-        """(sampling metadata, sampler output, prompt logprobs) of the step, under no_grad."""
-        states = self.states
-        meta = states.sampling.make_metadata(so.slots, states.token_ids, states.num_prompt_tokens,
-                                             states.num_tokens, step.discard)
-        out = self.executor.sample(logits, meta)
-        prompt_lps = self._prompt_logprobs(hidden, step, so) if states.prompt_logprobs_done else {}
-        return meta, out, prompt_lps
 
     def _logprob_rows(self, so: SchedulerOutput, step: StepInputs,
                       meta: SamplingMetadata) -> list[tuple[int, str, int]]:

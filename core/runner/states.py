@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrunner.engine.scheduler import NewRequest, SchedulerOutput
+from polyrunner.numeric import cumsum_and_arange
 from polyrunner.runner.block_table import BlockTable
 from polyrunner.sample import SamplingState
+from polyrunner.step_channel import NewRequest, SchedulerOutput
 
 
 class RequestStates:
@@ -65,7 +66,7 @@ class RequestStates:
     def append_tokens(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         """The first `counts[i]` of `tokens[i]` ([R, m]) onto each given (distinct) slot."""
         rows = np.repeat(np.arange(len(slots)), counts)
-        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        within = cumsum_and_arange(counts)[1]
         token_slots = slots[rows]
         self.token_ids[token_slots, self.num_tokens[token_slots] + within] = tokens[rows, within]
         self.num_tokens[slots] += counts.astype(self.num_tokens.dtype)
@@ -74,7 +75,7 @@ class RequestStates:
         """Draft tokens after each slot's tokens (the positions a verification step
         computes); `num_tokens` does not move: accepted drafts are appended later."""
         rows = np.repeat(np.arange(len(slots)), counts)
-        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        within = cumsum_and_arange(counts)[1]
         token_slots = slots[rows]
         self.token_ids[token_slots, self.num_tokens[token_slots] + within] = drafts[rows, within]
 

@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from polyrunner.numeric import cumsum_and_arange
 from polyrunner.sample.grammar import apply_token_bitmask
 from polyrunner.sample.metadata import SamplingMetadata
 from polyrunner.sample.ops import apply_top_k_top_p, min_p_mask
@@ -64,9 +65,8 @@ def rejection_sample(logits: torch.Tensor, meta: SamplingMetadata, draft_ids: np
     R = len(num_drafts)
     k = draft_ids.shape[1] if draft_ids.ndim == 2 else 0
     counts = num_drafts.astype(np.int64) + 1
-    cu = np.cumsum(counts)
     row_of = np.repeat(np.arange(R), counts)                     # virtual row -> request row
-    pos = np.arange(int(cu[-1]) if R else 0) - np.repeat(cu - counts, counts)   # its position j
+    cu, pos = cumsum_and_arange(counts)                          # pos: its position j
     is_draft = pos < counts[row_of] - 1
     draft_v = np.where(is_draft, draft_ids[row_of, np.minimum(pos, max(k - 1, 0))] if k else -1, -1)
     dev = logits.device

@@ -239,6 +239,20 @@ class SamplingState:
             return t
         return t.to(self.device, non_blocking=True)
 
+    def generators_by_row(self, slots: np.ndarray, discard: np.ndarray | None = None
+                          ) -> dict[int, torch.Generator]:
+        """Batch row -> its own generator, for the seeded random rows of a step whose row i
+        is slot `slots[i]` (rows in `discard` draw nothing)."""
+        gens: dict[int, torch.Generator] = {}
+        if self.generators:   # loop over the (few) seeded requests, not over the batch
+            row_of = np.full(self.max_num_reqs, -1, np.int64)
+            row_of[slots] = np.arange(len(slots))
+            for slot, g in self.generators.items():
+                i = int(row_of[slot])
+                if i >= 0 and not self.greedy[slot] and (discard is None or not discard[i]):
+                    gens[i] = g
+        return gens
+
     def make_metadata(self, idx_mapping: np.ndarray, token_ids: np.ndarray,
                       num_prompt_tokens: np.ndarray, num_tokens: np.ndarray,
                       discard: np.ndarray | None = None) -> SamplingMetadata:
@@ -257,15 +271,7 @@ class SamplingState:
             self._static, self._static_key = self._build_static(slots), key
         static = self._static
 
-        gens: dict[int, torch.Generator] = {}
-        if self.generators and not static.kwargs["all_greedy"]:
-            # loop over the (few) seeded requests, not over the batch
-            row_of = np.full(self.max_num_reqs, -1, np.int64)
-            row_of[slots] = np.arange(n)
-            for slot, g in self.generators.items():
-                i = int(row_of[slot])
-                if i >= 0 and not self.greedy[slot] and (discard is None or not discard[i]):
-                    gens[i] = g
+        gens = self.generators_by_row(slots, discard) if not static.kwargs["all_greedy"] else {}
         meta = SamplingMetadata(num_reqs=n, generators=gens, default_generator=self.default_generator,
                                 host_rows=functools.partial(self._host_rows, slots, num_prompt_tokens,
                                                             num_tokens),

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
-from typing import Any
+from typing import Any, get_args
+
+from polyrunner.config import CacheConfig, DType, ModelConfig, ParallelConfig, SchedulerConfig, default_of
 
 __all__ = ["ENGINE_ARGS", "add_engine_args", "add_model_args", "engine_kwargs", "resolve_model",
            "add_chat_template_arg", "load_chat_template", "HelpFormatter"]
@@ -26,13 +28,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
-_DTYPES = ["auto", "float32", "bfloat16", "float16"]
+_DTYPES = list(get_args(DType))
 
 # dest -> (flags, add_argument keyword arguments); the dest is also the LLM keyword argument
 ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "backend": (("--backend",), dict(default=None, help="registered backend name (default: the best available; "
                                                         "see `polyrunner backends`)")),
-    "dtype": (("--dtype",), dict(default="auto", choices=_DTYPES,
+    "dtype": (("--dtype",), dict(default=default_of(ModelConfig, "dtype"), choices=_DTYPES,
                                  help="weight and activation dtype; auto: the checkpoint's, or what the backend "
                                       "runs fastest")),
     "quantization": (("--quantization", "-q"), dict(default=None, choices=["gguf"],
@@ -42,22 +44,28 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                       help="model context length, prompt plus output (default: the model's own limit)")),
     "tokenizer": (("--tokenizer",), dict(default=None,
                   help="tokenizer folder (default: the model's own)")),
-    "seed": (("--seed",), dict(type=int, default=0, help="random seed for requests without their own")),
-    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=64,
+    "seed": (("--seed",), dict(type=int, default=default_of(ModelConfig, "seed"),
+             help="random seed for requests without their own")),
+    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=default_of(SchedulerConfig, "max_num_seqs"),
                      help="most sequences in one batch (iteration)")),
-    "max_num_batched_tokens": (("--max-num-batched-tokens",), dict(type=int, default=2048,
+    "max_num_batched_tokens": (("--max-num-batched-tokens",),
+                               dict(type=int, default=default_of(SchedulerConfig, "max_num_batched_tokens"),
                                help="most tokens computed in one iteration")),
-    "block_size": (("--block-size",), dict(type=int, default=16, help="tokens per KV-cache block")),
-    "gpu_memory_utilization": (("--gpu-memory-utilization",), dict(type=float, default=0.9,
+    "block_size": (("--block-size",), dict(type=int, default=default_of(CacheConfig, "block_size"),
+                   help="tokens per KV-cache block")),
+    "gpu_memory_utilization": (("--gpu-memory-utilization",),
+                               dict(type=float, default=default_of(CacheConfig, "memory_utilization"),
                                help="share (0, 1] of the device's memory the KV cache may use, when "
                                     "--kv-cache-memory-bytes is not given (vLLM's name; every backend)")),
     "kv_cache_memory_bytes": (("--kv-cache-memory-bytes",), dict(type=int, default=None,
                               help="KV-cache size in bytes (overrides --gpu-memory-utilization)")),
-    "enable_prefix_caching": (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction, default=True,
+    "enable_prefix_caching": (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction,
+                              default=default_of(CacheConfig, "enable_prefix_caching"),
                               help="reuse the KV cache of prompts' shared prefixes")),
     "enforce_eager": (("--enforce-eager",), dict(action="store_true",
                       help="run the model eagerly: no graph capture or compilation")),
-    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"), dict(type=int, default=1,
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp"),
+                             dict(type=int, default=default_of(ParallelConfig, "tensor_parallel_size"),
                              help="shard the model over this many devices (processes; several hosts: torchrun)")),
     "speculative_config": (("--speculative-config",), dict(type=json.loads, default=None,
                            help='speculative decoding as JSON (vLLM\'s), e.g. '

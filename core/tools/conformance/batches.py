@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from polyrunner.engine.scheduler import SchedulerOutput
+from polyrunner.numeric import cdiv
 from polyrunner.runner.block_table import BlockTable
 from polyrunner.runner.inputs import StepInputs, prepare_inputs
+from polyrunner.step_channel import SchedulerOutput
 
 
 @dataclass
@@ -76,7 +77,7 @@ def make_batch(rng: np.random.Generator, counts: np.ndarray, *, vocab: int, bloc
     (decodes >= 1 token of context, prefills 0 or more), on distinct random blocks
     in [1, num_blocks). The contexts together stay within `context_budget` tokens."""
     R = len(counts)
-    max_blocks = -(-max_model_len // block_size)
+    max_blocks = cdiv(max_model_len, block_size)
     ctx = np.zeros(R, np.int64)
     for r in range(R):
         room = min(max_context, max_model_len - int(counts[r]))
@@ -87,7 +88,7 @@ def make_batch(rng: np.random.Generator, counts: np.ndarray, *, vocab: int, bloc
         r = int(np.argmax(ctx - floor))
         ctx[r] = max(int(floor[r]), int(ctx[r]) // 2)
     total = ctx + counts
-    need = -(-total // block_size)
+    need = cdiv(total, block_size)
     if need.sum() > num_blocks - 1:
         raise ValueError(f"a synthetic batch needs {need.sum()} KV blocks, the cache has {num_blocks - 1}")
     blocks = rng.permutation(np.arange(1, num_blocks))[: need.sum()]

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from polyrunner.numeric import round_up
+
 REFERENCE_BACKEND = "cpu"
 MAX_ENGINE_STEPS = 5000
 
@@ -141,7 +143,7 @@ class ConformanceContext:
         """A byte budget buying `blocks` blocks per layer under `alignment`."""
         spec = self.kv_spec()
         per_layer = blocks * spec.page_size_bytes
-        per_layer = -(-per_layer // alignment) * alignment
+        per_layer = round_up(per_layer, alignment)
         return per_layer * spec.num_layers
 
     def make_config(self, backend: str | None = None, **overrides):

@@ -36,8 +36,11 @@ DEVICE_GROWTH_BYTES = 64 * 1024 * 1024
 
 
 def _idle(engine) -> list[str]:
-    """What the engine still holds once no request is unfinished (finished and
-    aborted requests leave the runner in the step they end: no idle step needed)."""
+    """What the engine still holds once no request is unfinished, after the step that
+    hands the finished (and aborted) requests' slots to the runner (a step without
+    rows, when one is due)."""
+    if engine.scheduler.has_finished_requests():
+        engine.step()
     pool, kv, runner = engine.kv.pool, engine.kv, engine.runner
     leftovers = []
     if pool.num_free_blocks != pool.num_usable_blocks:
