@@ -252,7 +252,7 @@ def phase_attention(args, ctx) -> dict:
     import torch
 
     from polyrunner.backends.cuda.triton_attention import unified_attention
-    from polyrunner.plugin_api import LayerSpec
+    from polyrunner.plugin_api import LayerSpec, cdiv
     name = torch.cuda.get_device_properties(0).name
     peak = next((bw for key, bw in HBM_PEAK.items() if key in name), None)
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -272,7 +272,7 @@ def phase_attention(args, ctx) -> dict:
     bs, out = 16, {"gpu": name, "hbm_peak_gbs": peak and peak / 1e9, "copy_gbs": round(measured / 1e9)}
     for B in (1, 32, 64, 128):
         for ctx_len in (512, 2048, 8192):
-            nblk = -(-ctx_len // bs)
+            nblk = cdiv(ctx_len, bs)
             cache = torch.randn(2, B * nblk + 1, bs, 3, 64, device="cuda", dtype=torch.bfloat16)
             tables = (torch.randperm(B * nblk, device="cuda") + 1).view(B, nblk).int()
             q = torch.randn(B, 9, 64, device="cuda", dtype=torch.bfloat16)

@@ -61,7 +61,7 @@ def instrument(llm, clock: Clock, ops: bool) -> None:
     ex.sample = clock.wrap(ex.sample, "sample")
     if not ops:
         return
-    from polyrunner.backends.cpu.executor import PackedLinear
+    from polyrunner.backends.cpu.packed_linear import PackedLinear
     from polyrunner.backends.cpu.quant_linear import QuantLinear
     for module in ex.model.modules():
         if isinstance(module, (PackedLinear, QuantLinear)):

@@ -20,13 +20,18 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 - padding: `BucketPolicy` and the bucket-list helpers `capture_sizes`
   (CUDA-graph style), `exponential_sizes` (powers of two) and
   `gap_incremental_sizes` (TPU style);
-- KV cache: `KVCacheSpec`;
+- KV cache: `KVCacheSpec`; integer helpers `cdiv` (division rounded up) and `round_up`;
 - attention: `AttentionMetadata`, `LayerSpec`, `NULL_BLOCK`, `NULL_SLOT`, the
   reference op `reference_paged_attention` and its pieces `write_kv`,
   `causal_mask`; the plain-torch fast paths `sdpa_paged_attention` and
   `attend_cached` (`STATIC_DECODE` marks a graph-captured decode), and the
   static-shape op `static_shape_paged_attention` (its per-token block tables
   under `TOKEN_BLOCK_TABLES`);
+- op overrides (`Backend.op_overrides`): the role table `ROLES` (each role's
+  reference and the call a replacement keeps), `MODULE_ROLES` (the roles a
+  backend may override, in the order they are applied), `OpFactory` (a role's
+  factory), and the reference modules `RMSNorm`, `GatedMLP` (with
+  `silu_and_mul`) and `RotaryEmbedding`;
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `graph_token_sizes`, `GraphBucketPolicy`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
@@ -73,6 +78,8 @@ from polyrunner.device.graphs import (
 )
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.envs import cache_root, declare
+from polyrunner.numeric import cdiv, round_up
+from polyrunner.ops import MODULE_ROLES, ROLES, GatedMLP, OpFactory, RMSNorm, RotaryEmbedding, silu_and_mul
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.api_version import PLUGIN_API_VERSION, PluginVersionError
 from polyrunner.runner.inputs import StepInputs
@@ -98,11 +105,13 @@ __all__ = [
     # padding buckets
     "BucketPolicy", "GraphBucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache
-    "KVCacheSpec",
+    "KVCacheSpec", "cdiv", "round_up",
     # attention
     "AttentionMetadata", "LayerSpec", "NULL_BLOCK", "NULL_SLOT", "reference_paged_attention", "write_kv",
     "causal_mask", "sdpa_paged_attention", "attend_cached", "STATIC_DECODE", "static_shape_paged_attention",
     "TOKEN_BLOCK_TABLES",
+    # op overrides (faster modules per role)
+    "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",

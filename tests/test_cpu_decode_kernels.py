@@ -59,7 +59,7 @@ def test_dpbf16_linear_strided_rows_and_declines(cpu_kernels):
 def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
     """Without AMX the measured plan has no AMX, and a PackedLinear running AVX512_BF16 for small
     steps and oneDNN above computes both."""
-    from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+    from polyrunner.backends.cpu.packed_linear import PackedLinear, packing_supported
     _dpbf16(cpu_kernels)
     if not packing_supported(torch.bfloat16):
         pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")

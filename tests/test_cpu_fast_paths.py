@@ -114,7 +114,10 @@ def test_kernel_decode_all_requests_with_padding(cpu_kernels):
 
 
 # ---- packed weights and the whole model ------------------------------------------
-from polyrunner.backends.cpu.executor import PackedLinear, ThreadGovernor, pack_linears, packing_supported  # noqa: E402
+from polyrunner.backends.cpu.executor import ThreadGovernor  # noqa: E402
+from polyrunner.backends.cpu.op_overrides import LinearPacker, cpu_op_overrides  # noqa: E402
+from polyrunner.backends.cpu.packed_linear import PackedLinear, packing_supported  # noqa: E402
+from polyrunner.ops import apply_overrides  # noqa: E402
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),
                                    reason="oneDNN bfloat16 packing unavailable on this CPU")
@@ -155,27 +158,31 @@ class _Declared(torch.nn.Module):
 
 
 @needs_packing
-def test_pack_linears_replaces_only_declared_bfloat16_linears():
+def test_linear_override_packs_only_declared_bfloat16_linears():
     model = _Declared()
-    assert pack_linears(model, 16) == 1
+    assert apply_overrides(model, {"linear": LinearPacker(16)}) == {"linear": 1}
     assert isinstance(model.a, PackedLinear) and type(model.b) is torch.nn.Linear
     assert type(model.head) is torch.nn.Linear  # bfloat16, but not declared a "linear"
 
 
 @needs_packing
 def test_a_model_without_the_hook_is_left_alone():
-    from polyrunner.backends.cpu.executor import fuse_elementwise
     model = _Declared(hook=False)
-    assert pack_linears(model, 16) == 0 and fuse_elementwise(model) == 0
+    assert apply_overrides(model, cpu_op_overrides(executor_config(), torch.bfloat16)) == {}
     assert all(type(m) is torch.nn.Linear for m in (model.a, model.b, model.head))
+
+
+def test_cpu_op_overrides_are_bfloat16_only():
+    """A float32 or float16 model keeps the core's modules (and pays no Python hop per layer)."""
+    assert cpu_op_overrides(executor_config(), torch.float32) == {}
+    assert cpu_op_overrides(executor_config(), torch.float16) == {}
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
     """The model protocol's hook names every projection but the LM head, every
     norm, every MLP and the shared rotary module, each under its role."""
-    from polyrunner.models.llama import DecoderMLP, RMSNorm
-    from polyrunner.models.rotary import RotaryEmbedding
+    from polyrunner.ops import GatedMLP, RMSNorm, RotaryEmbedding
     folder, _ = tiny_model_factory(kind)
     model, arch = _tiny_model(folder, reference_paged_attention, torch.float32)
     parts = list(model.replaceable_modules())
@@ -186,17 +193,22 @@ def test_llama_declares_every_replaceable_part(tiny_model_factory, kind):
     linears = [m for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
     assert {id(m) for m in by_role["linear"]} == {id(m) for m in linears} and len(by_role["linear"]) == len(linears)
     assert all(m is not model.lm_head for m in by_role["linear"])
-    for role, cls in (("rms_norm", RMSNorm), ("gated_mlp", DecoderMLP), ("rotary", RotaryEmbedding)):
+    for role, cls in (("rms_norm", RMSNorm), ("gated_mlp", GatedMLP), ("rotary", RotaryEmbedding)):
         want = {id(m) for m in model.modules() if type(m) is cls}
         assert {id(m) for m in by_role[role]} == want, role
     assert len(by_role["rotary"]) == 1 + arch.num_layers  # the model's and each attention's reference
 
 
 @needs_packing
-def test_cpu_executor_swaps_exactly_the_declared_parts(tiny_model_factory, cpu_kernels):
-    from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP, FusedRMSNorm, FusedRotary
+def test_cpu_op_overrides_swap_exactly_the_declared_parts(tiny_model_factory, cpu_kernels):
+    """Every declared part, once (the shared rotary: one module); the executor keeps them."""
+    from polyrunner.backends.cpu.executor import CPUExecutor
+    from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
     folder, _ = tiny_model_factory("qwen3")
     model, arch = _tiny_model(folder, cpu_paged_attention, torch.bfloat16)
+    replaced = apply_overrides(model, cpu_op_overrides(executor_config(), torch.bfloat16))
+    assert replaced == {"linear": 4 * arch.num_layers, "rms_norm": 4 * arch.num_layers + 1, "rotary": 1,
+                        "gated_mlp": arch.num_layers}   # qwen3: q/k norms
     CPUExecutor(model, executor_config())
     want = {"linear": PackedLinear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
     for role, _, name, module in model.replaceable_modules():
@@ -245,7 +257,8 @@ def test_thread_governor_counts_only_the_time_the_engine_steps(monkeypatch):
 
 
 def executor_config():
-    """What `CPUExecutor` reads of an engine config (eager: these tests call `run` directly)."""
+    """What `CPUExecutor` and `cpu_op_overrides` read of an engine config (eager: these tests call `run`
+    directly)."""
     from types import SimpleNamespace
     return SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8),
                            runner=SimpleNamespace(enforce_eager=True, token_buckets=None),
@@ -289,7 +302,8 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
     RMS logit error is 0.96-1.06x the plain model's, their largest 0.92-1.23x (limits: 1.5x, 2x);
     an attention with a 2% wrong scale, or a sliding window one key short, fails. Elementwise
     precision is the kernel tests' job (test_cpu_kernels_fast, test_cpu_decode_kernels, above)."""
-    from polyrunner.backends.cpu.executor import CPUExecutor, FusedMLP
+    from polyrunner.backends.cpu.executor import CPUExecutor
+    from polyrunner.backends.cpu.fused_modules import FusedMLP
     from polyrunner.device.backend import ModelInputs
     variant, env = MODEL_PATHS[path]
     if variant is not None and kernels.load_library(variant) is None:
@@ -309,6 +323,7 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
         fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
         ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
         exact, _ = _tiny_model(folder, reference_paged_attention, torch.float64)
+        apply_overrides(fast, cpu_op_overrides(executor_config(), dtype))   # as the engine does
         executor = CPUExecutor(fast, executor_config())
         linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
         assert all(isinstance(m, PackedLinear) for m in linears) == packed
@@ -354,9 +369,8 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, inter):
     gate_up projection, that kernel and the down projection."""
     import torch.nn.functional as F
 
-    from polyrunner.backends.cpu.executor import FusedMLP, FusedRMSNorm
-    from polyrunner.models.arch import DecoderArch
-    from polyrunner.models.llama import DecoderMLP, RMSNorm
+    from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm
+    from polyrunner.ops import GatedMLP, RMSNorm
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(H * 1000 + inter)
     norm = RMSNorm(H, 1e-5).to(torch.bfloat16)
@@ -371,10 +385,7 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, inter):
 
         check(norm(inp))
         assert_detects_errors(check, FusedRMSNorm(norm)(inp))
-    arch = DecoderArch.from_hf_config(dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=H,
-                                           intermediate_size=inter, num_hidden_layers=1, num_attention_heads=2,
-                                           num_key_value_heads=2, max_position_embeddings=64))  # head_dim even
-    mlp = DecoderMLP(arch).to(torch.bfloat16)
+    mlp = GatedMLP(H, inter).to(torch.bfloat16)
     gate_up = mlp.gate_up_proj(x)
     gate, up = gate_up.double().split(inter, dim=-1)
     # bfloat16(silu(gate)) * up rounded: silu in float32 (exp to 2^-20, an add, a division), two roundings

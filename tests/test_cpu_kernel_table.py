@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from polyrunner.backends.cpu import kernel_table, kernels
-from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+from polyrunner.backends.cpu.packed_linear import PackedLinear, packing_supported
 from tolerances import assert_linear_close
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16),

@@ -58,7 +58,7 @@ def test_amx_linear_strided_rows_and_declines() -> None:
 
 @needs_amx
 def test_packed_linear_runs_its_plan_per_row_count() -> None:
-    from polyrunner.backends.cpu.executor import PackedLinear, packing_supported
+    from polyrunner.backends.cpu.packed_linear import PackedLinear, packing_supported
     if not packing_supported(torch.bfloat16):
         pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")
     g = torch.Generator().manual_seed(2)
@@ -73,8 +73,8 @@ def test_packed_linear_runs_its_plan_per_row_count() -> None:
 @pytest.mark.parametrize("T", [1, 5, 130])
 @pytest.mark.parametrize("D", [64, 128, 80])
 def test_fused_rotary_is_exact(cpu_kernels, T: int, D: int) -> None:
-    from polyrunner.backends.cpu.executor import FusedRotary
-    from polyrunner.models.rotary import RotaryEmbedding
+    from polyrunner.backends.cpu.fused_modules import FusedRotary
+    from polyrunner.ops import RotaryEmbedding
     rotary = RotaryEmbedding(D, 2048, 10000.0, None)
     Hq, Hk = 4, 2
     g = torch.Generator().manual_seed(T * 1000 + D)
@@ -89,8 +89,8 @@ def test_fused_rotary_is_exact(cpu_kernels, T: int, D: int) -> None:
 
 
 def test_fused_rotary_keeps_float32_reference() -> None:
-    from polyrunner.backends.cpu.executor import FusedRotary
-    from polyrunner.models.rotary import RotaryEmbedding
+    from polyrunner.backends.cpu.fused_modules import FusedRotary
+    from polyrunner.ops import RotaryEmbedding
     rotary = RotaryEmbedding(64, 256, 10000.0, None)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(3, 2, 64, generator=g), torch.randn(3, 1, 64, generator=g)
@@ -108,8 +108,8 @@ def test_fused_add_rms_norm_matches_module(cpu_kernels, T: int, H: int) -> None:
     of that sum (`rms_norm_reference`). The kernel and the module may differ from each other by
     2 ulps (each rounds float32 values summed in its own order), so they are not compared
     with each other: a tolerance between them would sit at the edge of bfloat16 rounding."""
-    from polyrunner.backends.cpu.executor import FusedRMSNorm
-    from polyrunner.models.llama import RMSNorm
+    from polyrunner.backends.cpu.fused_modules import FusedRMSNorm
+    from polyrunner.ops import RMSNorm
     g = torch.Generator().manual_seed(T * 1000 + H)
     norm = RMSNorm(H, 1e-5).to(torch.bfloat16)
     norm.weight.data = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
@@ -130,7 +130,7 @@ def test_fused_add_rms_norm_matches_module(cpu_kernels, T: int, H: int) -> None:
 def test_decoder_layers_return_output_and_residual() -> None:
     """The model's residual hand-off (layer -> next norm's forward_add) sums to
     the plain `x + attn; x + mlp` layer output."""
-    from polyrunner.models.llama import RMSNorm
+    from polyrunner.ops import RMSNorm
     norm = RMSNorm(8, 1e-6)
     g = torch.Generator().manual_seed(0)
     x, residual = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
@@ -144,7 +144,7 @@ def test_fused_elementwise_kernels_split_rows_on_the_pool(cpu_kernels, T: int) -
     """RMSNorm, residual add + RMSNorm, SiLU * up and rotary split their rows between threads:
     on OpenMP's team (prefill steps) or on the kernel pool when torch has one thread (decode-sized
     steps, `thread_pool.h` `for_rows`). Rows are independent, so every split gives one thread's bits."""
-    from polyrunner.models.rotary import RotaryEmbedding
+    from polyrunner.ops import RotaryEmbedding
     g = torch.Generator().manual_seed(T)
     H, inter, Hq, Hk, D = 576, 1536, 9, 3, 64
     x, res = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16)

@@ -90,8 +90,8 @@ def test_every_path_and_name_the_docs_cite_exists(doc: Path) -> None:
     assert not missing, f"{doc.relative_to(ROOT)} cites what does not exist (or lies outside the repository): {missing}"
 
 
-STARTUP = ("resolve_dtype", "check_dtype", "make_executor", "bucket_policy", "make_generator", "kv_cache_budget",
-           "allocate_kv_cache", "num_kv_blocks", "prepare")
+STARTUP = ("resolve_dtype", "check_dtype", "op_overrides", "make_executor", "bucket_policy", "make_generator",
+           "kv_cache_budget", "allocate_kv_cache", "num_kv_blocks", "prepare")
 
 
 def test_the_documented_start_up_order_is_the_order_of_the_calls(tiny_model_factory) -> None:

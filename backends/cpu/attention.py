@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrunner.backends.cpu import envs, kernel_table, kernels
-from polyrunner.plugin_api import AttentionMetadata, LayerSpec, causal_mask, reference_paged_attention
+from polyrunner.plugin_api import AttentionMetadata, LayerSpec, causal_mask, cdiv, reference_paged_attention
 
 logger = logging.getLogger(__name__)
 _warned = False
@@ -89,7 +89,7 @@ def prefill_uses_amx(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def _time_prefill(Hq: int, Hkv: int, D: int, bs: int, L: int = 256) -> kernel_table.Times:
     """us per call of each prefill kernel on one fresh prompt of L tokens (the kernels take turns)."""
     g = torch.Generator().manual_seed(0)
-    nb = -(-L // bs)
+    nb = cdiv(L, bs)
     q = torch.randn(L, Hq, D, generator=g).to(torch.bfloat16)
     cache = torch.randn(2, nb + 1, bs, Hkv, D, generator=g).to(torch.bfloat16)
     qsl, seq_lens = torch.tensor([0, L], dtype=torch.int32), torch.tensor([L], dtype=torch.int32)
@@ -116,7 +116,7 @@ def _prefill(q, k, v, kv_cache, meta, spec, out, first: int, last: int) -> None:
         if seq_len == nq:  # the whole context is this step's tokens
             ck, cv = k[start:end], v[start:end]
         else:
-            nb = -(-seq_len // block_size)
+            nb = cdiv(seq_len, block_size)
             blocks = meta.block_tables[r, :nb].long()
             ck = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
             cv = kv_cache[1, blocks].flatten(0, 1)[:seq_len]

@@ -2,9 +2,10 @@
 
 At one token per request a CPU decode step is a chain of C++ kernels (small-M
 linears, fused norms, rotary, paged attention) glued by Python, and the glue
-costs nearly as much as the kernels (figures: benchmarks/results/design-measurements.md). `CPUGraphAPI` plugs into the core's `StaticGraphExecutor`
-(FULL_DECODE_ONLY graphs over static input buffers, keyed by batch size) the
-way CUDA graphs do. `capture(fn)` runs the forward once while
+costs nearly as much as the kernels (figures:
+benchmarks/results/design-measurements.md). `CPUGraphAPI` plugs into the core's
+`StaticGraphExecutor` (FULL_DECODE_ONLY graphs over static input buffers, keyed
+by batch size) the way CUDA graphs do. `capture(fn)` runs the forward once while
 
 - every kernel call made through `kernel_calls.call` is recorded (kernel id and
   arguments: pointers, sizes, scales), not run: like a CUDA graph capture, it
@@ -31,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyrunner.backends.cpu import kernel_calls
 from polyrunner.backends.cpu.kernel_calls import REPLAYABLE, NotReplayable
-from polyrunner.plugin_api import GraphAPI
+from polyrunner.plugin_api import GraphAPI, round_up
 
 aten = torch.ops.aten
 # ops that only make a new view or read metadata: they run as they are
@@ -57,7 +58,7 @@ class Arena:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 tensor of `nbytes` (64-byte aligned)."""
-        nbytes = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        nbytes = round_up(max(nbytes, 1), self.ALIGN)
         while True:
             if self._block == len(self.blocks):
                 self.blocks.append(torch.empty(max(self.block_bytes, nbytes), dtype=torch.uint8))

@@ -35,6 +35,8 @@ import weakref
 
 import torch
 
+from polyrunner.plugin_api import round_up
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23          # linux/mman.h (5.14+)
@@ -91,7 +93,7 @@ def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
             continue
         start = tensor.data_ptr()
         end = (start + tensor.numel() * tensor.element_size()) // page * page
-        addr = -(-start // page) * page
+        addr = round_up(start, page)
         del tensor
         while addr < end:
             tensor = ref()    # keeps the memory mapped during the call

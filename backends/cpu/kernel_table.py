@@ -312,7 +312,7 @@ def plans(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, threads
     return out
 
 
-reports: list[str] = []   # every `plans` table of this process, in order (`CPUExecutor.kernel_report`)
+reports: list[str] = []   # every `plans` table of this process, in order (`packed_linear.planned`)
 
 
 def _write(path: Path, table: dict) -> None:

@@ -11,6 +11,7 @@ import torch
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.host_memory import prefault_in_background
+from polyrunner.backends.cpu.op_overrides import cpu_op_overrides
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
 from polyrunner.plugin_api import (
@@ -62,8 +63,8 @@ def _proc_cpu_flags() -> set[str]:
 
 
 class CPUBackend(Backend):
-    """Host memory; PyTorch with oneDNN-packed bf16 weights (small-M kernels for
-    decode-sized steps), C++ paged-attention and fused elementwise kernels; CPU
+    """Host memory; PyTorch with packed bf16 weights (small-M kernels for decode-sized
+    steps) and fused elementwise kernels (its op overrides), C++ paged attention; CPU
     graphs of decode steps (`graphs.py`) padded to vLLM's capture sizes; always
     available."""
 
@@ -137,6 +138,10 @@ class CPUBackend(Backend):
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
+
+    def op_overrides(self, dtype):
+        """bfloat16: packed linears and fused RMSNorm, rotary and MLP (`op_overrides.py`); else none."""
+        return cpu_op_overrides(self.config, dtype)
 
     def make_executor(self, model):
         return CPUExecutor(model, self.config)

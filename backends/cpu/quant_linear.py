@@ -12,7 +12,8 @@ types are repacked at load into the kernel's row-interleaved "r8" layout (8
 output rows per vector; 20 bytes per 32 weights with float16 scales for
 Q4_0/Q4_1, 24 with Q4_K's float32 ones), and so is Q8_0 where the path has
 VNNI (34 bytes, as in GGUF; ~2.5x faster for a small-vocabulary LM head at a few
-rows, the same at 1 row, where the weight stream is the bound); the AVX2 and scalar paths run Q8_0's GGUF blocks as they are. A step
+rows, the same at 1 row, where the weight stream is the bound); the AVX2 and
+scalar paths run Q8_0's GGUF blocks as they are. A step
 of more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
 weight into the input's dtype and runs the dense matmul (oneDNN), faster there
 (the r8 kernel wins up to ~40 rows on one thread). The two paths round differently

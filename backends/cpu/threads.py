@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from polyrunner.backends.cpu import envs
+from polyrunner.backends.cpu import envs, kernels
 
 SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -80,6 +80,16 @@ def default_threads() -> int:
 def spin_us() -> int:
     """`POLYRUNNER_CPU_SPIN_US` (default 200): how long an idle pool helper spins before sleeping."""
     return envs.SPIN_US.get()
+
+
+def start_pool() -> int:
+    """(Re)start the decode kernels' pool (`thread_pool.cpp`) for an engine: `default_threads()`
+    threads, helpers on one CPU per physical core under "auto", idle helpers spinning `spin_us()`;
+    returns the thread count. The executor does; so does the "linear" op override before it times
+    the kernels (`kernel_table`), which must run as they will in the engine."""
+    count = default_threads()
+    kernels.start_pool(count, physical_cpus() if threads_auto() else None, spin_us())
+    return count
 
 
 def cpu_sample() -> tuple[float, float, float] | None:

@@ -20,13 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrunner.plugin_api import KVCacheSpec
+from polyrunner.plugin_api import KVCacheSpec, round_up
 
 ALIGNMENT = 2 * 1024 * 1024
-
-
-def round_up(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 @dataclass(frozen=True)

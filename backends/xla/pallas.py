@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec
+from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec, cdiv
 
 SMEM_BYTES = 1 << 20
 NUM_SEQS = "pallas_num_seqs"
@@ -34,7 +34,7 @@ NUM_SEQS = "pallas_num_seqs"
 
 def max_num_seqs(max_model_len: int, block_size: int) -> int:
     """Requests whose int32 block tables fit in half of SMEM."""
-    blocks = -(-max_model_len // block_size)
+    blocks = cdiv(max_model_len, block_size)
     return max(1, (SMEM_BYTES // 2) // blocks // 4)
 
 

@@ -22,9 +22,10 @@ Two lifetimes, like ggml-backend's registry and backend:
 
 Engine start-up calls, in this order: `adjust_config`, `cls(config)`,
 `init_rank` (tensor parallelism), `resolve_dtype` (dtype "auto" only) and `check_dtype`; `device`
-(the model is loaded there); `make_executor`; `bucket_policy` (after the
-executor: a policy may depend on what the executor made); `kv_cache_budget`
-(runs one max-size dummy step) and `num_kv_blocks`; `allocate_kv_cache`;
+(the model is loaded there); `op_overrides` (its factories replace the model's
+modules); `make_executor`; `bucket_policy` (after the executor: a policy may
+depend on what the executor made); `kv_cache_budget` (runs one max-size dummy
+step) and `num_kv_blocks`; `allocate_kv_cache`;
 `GraphExecutor.prepare` (capture / compile / warm up every bucket). Each step:
 `host_attention_extras`, `to_device` (every input array), `no_grad`,
 `GraphExecutor.run` (the model calls `attention` once per layer, also inside
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, cast
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, cast
 
 import numpy as np
 import torch
@@ -371,10 +372,22 @@ class Backend:
         inference tensors returns no_grad)."""
         return torch.inference_mode()
 
+    # ---- op overrides ---------------------------------------------------
+    def op_overrides(self, dtype: torch.dtype) -> Mapping[str, Callable[[torch.nn.Module], torch.nn.Module]]:
+        """OPTIONAL; once at start-up, after the model is loaded in `dtype` and before
+        `make_executor`. Per role of `polyrunner.ops.MODULE_ROLES` ("linear", "rms_norm",
+        "rotary", "gated_mlp"), a factory taking the model's module in that role and returning
+        the module to use: the same call with the same result within the dtype's tolerance
+        (the role table `polyrunner.ops.ROLES`), or its argument, unchanged, to keep it (a
+        module it does not accelerate); `{}` for a dtype it does not accelerate. A factory with a
+        `prepare(modules)` method first gets all of its role's modules. The core applies them with
+        `polyrunner.ops.apply_overrides`; an unknown role is a ValueError. Default: none."""
+        return {}
+
     # ---- graphs ---------------------------------------------------------
     def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
-        """OPTIONAL; once at start-up, after the model is loaded. The executor that
-        runs (and may rewrite, e.g. pack weights of) the model; the core keeps it as
+        """OPTIONAL; once at start-up, after the model is loaded and `op_overrides`
+        applied. The executor that runs the model; the core keeps it as
         `self.executor` for the members it calls later."""
         return GraphExecutor(model)
 

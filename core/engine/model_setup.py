@@ -2,14 +2,16 @@
 and every tensor-parallel worker do at start-up, in one place.
 
     resolve the folder, read the architecture, pick max_model_len and dtype,
-    pick the quantization, load the model (this rank's shard), make the
-    runner, size the KV cache (tensor-parallel: the smallest over the ranks)
+    pick the quantization, load the model (this rank's shard), apply the
+    backend's op overrides, make the runner, size the KV cache
+    (tensor-parallel: the smallest over the ranks)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,7 @@ from polyrunner.models.gguf.quantized import quantizer, select_quantization
 from polyrunner.models.loader import checkpoint_dtype, load_model, read_model_config
 from polyrunner.models.registry import resolve_model_class
 from polyrunner.models.source import resolve_model_folder
+from polyrunner.ops import apply_overrides
 from polyrunner.plugins import create_backend
 from polyrunner.runner.model_runner import ModelRunner
 
@@ -87,6 +90,10 @@ def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | Non
                 str(dtype).removeprefix("torch."), quantization, limit)
     model = load_model(folder, model_cls, arch, backend.attention, limit, dtype, backend.device, prepare,
                        **parallel)   # logs what it loads and how long it took
+    started = time.perf_counter()
+    replaced = apply_overrides(model, backend.op_overrides(dtype))   # the backend's faster modules, per role
+    logger.info("op overrides of backend %s: %s in %.1f s", backend.name,
+                ", ".join(f"{n} {role}" for role, n in replaced.items()) or "none", time.perf_counter() - started)
     runner_arch = arch if tp is None else dataclasses.replace(
         arch, num_heads=tp.shard.num_heads, num_kv_heads=tp.shard.num_kv_heads)
     runner = ModelRunner(config, backend, model, runner_arch, limit, dtype,

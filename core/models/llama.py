@@ -20,32 +20,11 @@ from torch import nn
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
-from polyrunner.models.rotary import RotaryEmbedding
+from polyrunner.ops import GatedMLP, RMSNorm, RotaryEmbedding
 
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         AttentionMetadata, LayerSpec], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], torch.Tensor]   # sums a tensor over the tensor-parallel ranks
-
-
-class RMSNorm(nn.Module):
-    """Hugging Face's RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(norm(x + residual), x + residual)`: the residual add and the norm in
-        one call, so a backend's fused module can do both in one pass."""
-        residual = x + residual
-        return self(residual), residual
 
 
 class DecoderAttention(nn.Module):
@@ -79,27 +58,16 @@ class DecoderAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class DecoderMLP(nn.Module):
-    def __init__(self, arch: DecoderArch, shard: TPShard | None = None) -> None:
-        super().__init__()
-        self.intermediate = (shard or TPShard.single(arch)).intermediate
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: DecoderArch, layer_idx: int, attn_op: AttentionOp,
                  rotary: RotaryEmbedding, shard: TPShard | None = None, all_reduce: AllReduce | None = None
                  ) -> None:
         super().__init__()
+        shard = shard or TPShard.single(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = DecoderAttention(arch, layer_idx, attn_op, rotary, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = DecoderMLP(arch, shard)
+        self.mlp = GatedMLP(arch.hidden_size, shard.intermediate, arch.mlp_bias)
         self.all_reduce = all_reduce
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
@@ -172,8 +140,8 @@ class LlamaForCausalLM(nn.Module):
     def replaceable_modules(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
         """`(role, parent, attribute, module)` for every part a backend may swap for
         a faster equivalent (`setattr(parent, attribute, new)`); the roles and
-        what a replacement must keep are in `polyrunner_models`
-        (core/plugins/hookspecs.py). Attributes are read as the iteration goes,
+        what a replacement must keep are in `polyrunner.ops.ROLES`
+        (core/ops/roles.py). Attributes are read as the iteration goes,
         so a later pass sees an earlier pass's replacements. The LM head (read by
         `compute_logits`) is not a "linear"; the shared rotary module comes once
         per parent (this model and each attention)."""

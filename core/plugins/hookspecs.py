@@ -49,19 +49,13 @@ def polyrunner_models() -> "dict[str, type]":
     - `compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]`;
     - OPTIONAL `replaceable_modules()`: yields `(role, parent, attribute,
       module)` for the parts a backend may replace with a faster module of the
-      same behaviour (`setattr(parent, attribute, new)`); a backend replaces
-      nothing in a model without it, and skips a role it does not know. Roles:
-      "linear": an `nn.Linear` the model only calls (nothing reads its
-        weight; not the LM head), replaced by a module with the same call;
-      "rms_norm": Hugging Face's RMSNorm over the last dim (`weight`, `eps`;
-        normalise in float32, scale in the input dtype) with `forward(x)` and
-        `forward_add(x, residual) -> (norm(x + residual), x + residual)`;
-      "gated_mlp": `down_proj(silu(gate) * up)` where `gate_up_proj(x)` holds
-        gate then up (`intermediate` columns each);
-      "rotary": `forward(positions, q [T, Hq, D], k [T, Hkv, D]) -> (q, k)`
-        over float32 `cos`/`sin` tables `[max_positions, D]` (rotate_half
-        layout); a replacement may rotate in place. One module shared by
-        several parents is yielded once per parent: replace it by one module.
+      same behaviour (`Backend.op_overrides`, applied by the core with
+      `setattr(parent, attribute, new)`); nothing is replaced in a model
+      without it, and other roles than the table's are skipped. It is walked
+      once per overridden role, each walk reading the current attributes; a
+      module shared by several parents is yielded once per parent. The roles ("linear",
+      "rms_norm", "rotary", "gated_mlp"), their reference modules and the
+      call each replacement keeps: `polyrunner.ops.ROLES` (core/ops/roles.py).
     - OPTIONAL `lm_head_weight() -> Tensor [vocab, hidden]`: the matrix
       `compute_logits` multiplies by (the embedding when tied), so a backend
       may compute logits through its own packed copy.

@@ -18,6 +18,8 @@ Checks are plain functions grouped by module, both front-ends run them:
                   unique, ending at the configured maximum; padding within `max_padding`
     kv_cache      logical shape, dtype, alignment, byte budget; slot_mapping writes land in
                   the right block/offset; padded tokens write only the null block
+    ops           every op override (`Backend.op_overrides`) matches its role's reference on
+                  random shapes, per declared dtype (attention: see execution)
     execution     prepared (captured/compiled/warmed-up) == eager for every bucket (sampled);
                   no new graph after warm-up (when `capabilities.counts_graphs`)
     end_to_end    greedy == CPU reference token for token; seeded sampling reproducible;

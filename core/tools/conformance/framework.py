@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from polyrunner.tools.conformance.certificate import Environment
     from polyrunner.tools.conformance.context import ConformanceContext
 
-GROUPS = ("registration", "buckets", "kv_cache", "execution", "end_to_end", "distributed", "hygiene")
+GROUPS = ("registration", "buckets", "kv_cache", "ops", "execution", "end_to_end", "distributed", "hygiene")
 GROUP_MODULES = {g: f"polyrunner.tools.conformance.{g}" for g in GROUPS}
 
 PASSED, FAILED, ERROR, SKIPPED, BLOCKED = "passed", "failed", "error", "skipped", "blocked"
@@ -55,7 +55,8 @@ AVAILABLE = "registration::available_here"              # implicit for every che
 PADS = "buckets::pad_covers_every_legal_batch"           # steps can be padded
 ALLOCATES = "kv_cache::allocation_shape_dtype"           # KV caches have the promised layout
 ENGINE_RUNS = (PADS, ALLOCATES)                         # an engine can be built and stepped
-MODEL_RUNS = ("execution::prepared_equals_eager", "execution::attention_matches_reference")  # its numbers hold
+MODEL_RUNS = ("ops::overrides_match_reference", "execution::prepared_equals_eager",   # its numbers hold
+              "execution::attention_matches_reference")
 
 
 class CheckFailure(AssertionError):

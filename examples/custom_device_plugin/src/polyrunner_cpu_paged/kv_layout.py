@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec
+from polyrunner.plugin_api import NULL_BLOCK, AttentionMetadata, KVCacheSpec, LayerSpec, cdiv
 
 ALIGNMENT = 64
 
@@ -75,7 +75,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     d = int(meta.num_decodes)
     if d:
         lens = torch.from_numpy(seq_lens[:d].astype("int64"))
-        nb = -(-int(lens.max()) // bs)
+        nb = cdiv(int(lens.max()), bs)
         table = meta.block_tables[:d, :nb].long()                # [d, nb]
         keys = phys[0][:, table].flatten(2, 3).transpose(0, 1)  # [d, H, nb*bs, D]
         values = phys[1][:, table].flatten(2, 3).transpose(0, 1)
@@ -94,7 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         out[:d] = o.squeeze(2)
     for r in range(d, meta.num_reqs):
         start, end, seq_len = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
-        ids = meta.block_tables[r, : -(-seq_len // bs)].long()
+        ids = meta.block_tables[r, : cdiv(seq_len, bs)].long()
         keys = phys[0][:, ids].flatten(1, 2)[:, :seq_len]       # [H, L, D], contiguous per head
         values = phys[1][:, ids].flatten(1, 2)[:, :seq_len]
         n = end - start

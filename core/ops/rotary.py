@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), HF-exact."""
+"""The "rotary" role's reference: rotary position embeddings (default, linear and llama3 scaling), HF-exact."""
 
 from __future__ import annotations
 

@@ -1,0 +1,111 @@
+"""The conformance group `ops`: the CPU backend's op overrides pass it; a deliberately wrong
+override (an RMSNorm without its weight) and an override for an unknown role fail it, naming the
+role; a backend without overrides passes with a note."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from polyrunner.backends.cpu.packed_linear import packing_supported
+from polyrunner.backends.cpu.plugin import CPUBackend
+from polyrunner.plugins import hookimpl, register
+from polyrunner.plugins.manager import unregister
+from polyrunner.tools.conformance import run_conformance
+
+CHECK = "ops::overrides_match_reference"
+
+
+class _Plugin:
+    """A run-time plugin contributing one backend class."""
+    PLUGIN_API_VERSION = "1.0"
+
+    def __init__(self, cls) -> None:
+        self.cls = cls
+
+    @hookimpl
+    def polyrunner_backends(self):
+        return [self.cls]
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def add(cls):
+        register(_Plugin(cls), name=f"conformance-ops-{cls.name}")
+        names.append(f"conformance-ops-{cls.name}")
+        return cls.name
+
+    yield add
+    for name in names:
+        unregister(name)
+
+
+class RMSNormWithoutWeight(nn.Module):
+    """Bug: normalises but never scales by the weight."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+
+    def forward_add(self, x, residual):
+        residual = x + residual
+        return self(residual), residual
+
+
+class WeightlessNormBackend(CPUBackend):
+    name = "broken_rms_norm_override"
+    priority = -100
+
+    def op_overrides(self, dtype):
+        return {**super().op_overrides(dtype), "rms_norm": RMSNormWithoutWeight}
+
+
+class UnknownRoleBackend(CPUBackend):
+    name = "broken_unknown_role_override"
+    priority = -100
+
+    def op_overrides(self, dtype):
+        return {"layer_norm": lambda module: module}
+
+
+class NoOverridesBackend(CPUBackend):
+    name = "no_op_overrides"
+    priority = -100
+
+    def op_overrides(self, dtype):
+        return {}
+
+
+def test_the_cpu_backends_overrides_pass():
+    report = run_conformance("cpu", groups=["ops"])
+    assert report.passed, report.failures()
+    note = report.get(CHECK).detail
+    assert "no op overrides for float32, float16" in note
+    if packing_supported(torch.bfloat16):
+        assert note.startswith("bfloat16: linear 6/6"), note
+
+
+def test_an_rms_norm_without_its_weight_fails_naming_the_role(registered):
+    report = run_conformance(registered(WeightlessNormBackend), groups=["ops"])
+    result = report.get(CHECK)
+    assert result.outcome == "failed", result
+    assert result.detail.startswith("op override for role 'rms_norm' (forward, float32, 1x64) differs from the "
+                                    "reference: max abs error"), result.detail
+
+
+def test_an_unknown_role_fails_naming_it(registered):
+    result = run_conformance(registered(UnknownRoleBackend), groups=["ops"]).get(CHECK)
+    assert result.outcome == "failed" and "unknown role(s) 'layer_norm'" in result.detail, result
+
+
+def test_a_backend_without_overrides_passes_with_a_note(registered):
+    result = run_conformance(registered(NoOverridesBackend), groups=["ops"]).get(CHECK)
+    assert result.outcome == "passed" and result.detail == "no op overrides for float32, bfloat16, float16", result
