@@ -69,7 +69,7 @@ class StepUpdate:
     num_new: list[int] | None = None   # tokens appended per advanced request (None: one each)
 
 
-@dataclass
+@dataclass(slots=True)
 class RunningPlan:
     """The running requests a step schedules (row order): their slots, token counts and
     computed tokens, the step's total token count, and the draft tokens among each row's

@@ -57,7 +57,7 @@ from polyrunner.step_channel import LogprobRow, ModelRunnerOutput, SchedulerOutp
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class LastDecode:
     """The last step, when it was an unpadded all-decode step."""
 
@@ -67,7 +67,7 @@ class LastDecode:
     tokens: np.ndarray | None   # its sampled tokens; None while they are on the device
 
 
-@dataclass
+@dataclass(slots=True)
 class Sampled:
     """The sample stage's result. `token_ids`: one token per row on the device; with
     drafts instead `spec_tokens` [R, k + 1] on the host (accepted drafts, then the
