@@ -21,10 +21,30 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from backend_plugin import BackendPlugin  # noqa: E402
 from markers import MODULE_MARKERS  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture
+def registered():
+    """`registered(cls)` registers a plugin contributing backend class `cls` and returns its
+    name; every plugin registered so is unregistered after the test."""
+    from polyrunner.plugins import register
+    from polyrunner.plugins.manager import unregister
+    names = []
+
+    def add(cls):
+        name = f"test-backend-{cls.name}"
+        register(BackendPlugin(cls), name=name)
+        names.append(name)
+        return cls.name
+
+    yield add
+    for name in names:
+        unregister(name)
 
 
 @pytest.fixture(autouse=True)

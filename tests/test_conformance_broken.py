@@ -14,40 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend_plugin import BackendPlugin
 from polyrunner.attention.reference import reference_paged_attention, write_kv
 from polyrunner.backends.cpu.plugin import CPUBackend
 from polyrunner.device.backend import Availability, Capabilities, GraphExecutor
 from polyrunner.device.buckets import BucketPolicy, exponential_sizes
-from polyrunner.plugins import hookimpl, register
-from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance import run_conformance
-
-
-class _Plugin:
-    """A run-time plugin contributing one backend class."""
-    PLUGIN_API_VERSION = "1.0"
-
-    def __init__(self, cls) -> None:
-        self.cls = cls
-
-    @hookimpl
-    def polyrunner_backends(self):
-        return [self.cls]
-
-
-@pytest.fixture
-def registered():
-    names = []
-
-    def add(cls):
-        name = f"conformance-test-{cls.name}"
-        register(_Plugin(cls), name=name)
-        names.append(name)
-        return cls.name
-
-    yield add
-    for name in names:
-        unregister(name)
 
 
 def _padded_policy(config) -> BucketPolicy:
@@ -87,7 +59,7 @@ class ShortBucketsBackend(CPUBackend):
                             list(range(1, s.max_num_seqs + 1)))
 
 
-SHORT_BUCKETS_PLUGIN = _Plugin(ShortBucketsBackend)   # for --conformance-plugin in a subprocess
+SHORT_BUCKETS_PLUGIN = BackendPlugin(ShortBucketsBackend)   # for --conformance-plugin in a subprocess
 
 
 class WrongShapeKVBackend(CPUBackend):

@@ -4,43 +4,14 @@ role; a backend without overrides passes with a note."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 from polyrunner.backends.cpu.packed_linear import packing_supported
 from polyrunner.backends.cpu.plugin import CPUBackend
-from polyrunner.plugins import hookimpl, register
-from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance import run_conformance
 
 CHECK = "ops::overrides_match_reference"
-
-
-class _Plugin:
-    """A run-time plugin contributing one backend class."""
-    PLUGIN_API_VERSION = "1.0"
-
-    def __init__(self, cls) -> None:
-        self.cls = cls
-
-    @hookimpl
-    def polyrunner_backends(self):
-        return [self.cls]
-
-
-@pytest.fixture
-def registered():
-    names = []
-
-    def add(cls):
-        register(_Plugin(cls), name=f"conformance-ops-{cls.name}")
-        names.append(f"conformance-ops-{cls.name}")
-        return cls.name
-
-    yield add
-    for name in names:
-        unregister(name)
 
 
 class RMSNormWithoutWeight(nn.Module):

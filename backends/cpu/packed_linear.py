@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from polyrunner.backends.cpu import envs, kernel_table
+from polyrunner.backends.cpu.row_linear import RowLinear
 
 Shape = tuple[int, int]
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(RowLinear):
     """A bfloat16 linear layer packed for the kernels `plan` names, one per row count (chosen by
     measurement, `kernel_table.py`): a step of M rows runs `plan[min(M, len(plan) - 1)]`, and only
     the kernels the plan names keep a packed copy. With a bias: oneDNN only. `report`: the kernel
@@ -39,12 +39,7 @@ class PackedLinear(nn.Module):
         self._by_rows = [(kernel_table.runner(k), getattr(self, f"packed_{k}")) for k in self.plan]
         self.pool_rows = kernel_table.pool_prefix(self.plan)   # steps up to this many rows run on the pool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            shape = x.shape
-            return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        if x.stride(1) != 1:
-            x = x.contiguous()
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         fn, packed = self._by_rows[min(x.shape[0], len(self._by_rows) - 1)]
         return fn(x, packed, self.out_features, self.bias)
 

@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from polyrunner.backends.cpu import envs, kernel_table, kernels
 from polyrunner.backends.cpu.kernel_calls import call
+from polyrunner.backends.cpu.row_linear import RowLinear
 
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
@@ -191,7 +192,7 @@ def dequantize(qtype: str, blocks: torch.Tensor, in_features: int, dtype: torch.
     return out
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(RowLinear):
     """`x @ W^T + bias` with W in GGUF blocks (see the module docstring); the
     output in `out_dtype`, or the input's dtype when None."""
 
@@ -218,12 +219,7 @@ class QuantLinear(nn.Module):
                       QTYPES[qtype], self.out_features, self.in_features, ISAS[self.isa])
         self.bias = bias if isinstance(bias, nn.Parameter) or bias is None else nn.Parameter(bias.detach(), False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            shape = x.shape
-            return self.forward(x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
-        if x.stride(1) != 1:
-            x = x.contiguous()
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.dense_above:
             y = F.linear(x, dequantize(self.qtype, self.blocks, self.in_features, x.dtype, self.lib,
                                        _scratch_weight(self.out_features, self.in_features, x.dtype), self.r8))
