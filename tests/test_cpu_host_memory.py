@@ -55,6 +55,22 @@ def test_prefault_maps_every_page_and_keeps_the_contents():
     assert bool((caches[0][:8192] == 7).all()) and bool((caches[1][-100:] == 3).all())
 
 
+def test_populate_order_maps_low_blocks_of_every_part_first():
+    """Two layers of two halves (K, V) each, 8 pages per half: every round maps the same
+    offset of all four halves, so the lowest block ids are mapped first everywhere."""
+    page = 4096
+    extents = [(0, 16 * page), (100 * page + 10, 16 * page)]   # the second starts mid-page
+    calls = list(host_memory.populate_order(extents, parts=2, page=page, chunk=8 * page))
+    assert calls[:4] == [(0, 0, 2 * page), (0, 8 * page, 2 * page), (1, 101 * page, 2 * page),
+                         (1, 109 * page, 2 * page)]
+    assert calls[4][2] == 2 * page and calls[4][1] == 2 * page
+    mapped = {(i, a + k * page) for i, a, n in calls for k in range(n // page)}
+    # every whole page of every half, once; the partial pages at the second tensor's ends are left
+    whole = {(0, a) for a in range(0, 16 * page, page)} | {(1, a) for a in range(101 * page, 108 * page, page)} \
+        | {(1, a) for a in range(109 * page, 116 * page, page)}
+    assert mapped == whole and len(mapped) == sum(n // page for _, _, n in calls)
+
+
 @linux
 def test_prefault_skips_tensors_freed_meanwhile():
     caches = [torch.empty(8 << 20, dtype=torch.uint8)]
@@ -72,12 +88,14 @@ def test_cpu_backend_prefaults_its_kv_cache_when_asked(monkeypatch, prefault):
     from polyrunner.config import CacheConfig, EngineConfig, ModelConfig
     from polyrunner.device.kv_spec import KVCacheSpec
     started = []
-    monkeypatch.setattr("polyrunner.backends.cpu.plugin.prefault_in_background", started.append)
+    monkeypatch.setattr("polyrunner.backends.cpu.plugin.prefault_in_background",
+                        lambda caches, parts: started.append((caches, parts)))
     backend = CPUBackend(EngineConfig(model=ModelConfig(), cache=CacheConfig(prefault_kv_cache=prefault)))
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.bfloat16)
     caches = backend.allocate_kv_cache(spec, num_blocks=3)
     if prefault:
-        assert len(started) == 1 and [c.data_ptr() for c in started[0]] == [c.data_ptr() for c in caches]
+        assert len(started) == 1 and [c.data_ptr() for c in started[0][0]] == [c.data_ptr() for c in caches]
+        assert started[0][1] == 2 and caches[0].shape[0] == 2   # K and V halves, mapped side by side
     else:
         assert started == []
 

@@ -42,8 +42,10 @@ def _assert_no_leak(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert (pool.ref_cnt[1:] == 0).all() and pool.ref_cnt[0] == 1
     # every cached block is free and maps back to its key
+    free = set(pool.free_blocks())
+    assert len(free) == pool.num_free_blocks
     for key, block in pool._block_of.items():
-        assert pool._key_of[block] == key and block in pool._free
+        assert pool._key_of[block] == key and block in free
 
 
 def _assert_ref_counts(eng) -> None:
@@ -55,7 +57,7 @@ def _assert_ref_counts(eng) -> None:
     assert counts[0] == 0, "the null block was handed out"
     assert (counts[1:] == pool.ref_cnt[1:]).all()
     held = set(np.flatnonzero(counts).tolist())
-    assert not held & set(pool._free), "a held block is on the free list"
+    assert not held & set(pool.free_blocks()), "a held block is on a free list"
     assert len(held) + pool.num_free_blocks == pool.num_usable_blocks
 
 

@@ -14,8 +14,11 @@ Two sources, one remedy each:
   `LLM` faults in only the blocks it uses and holds no more memory than that),
   `prefault_in_background` has a daemon thread at the lowest CPU priority ask
   the kernel to map the pages (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+),
-  4 MiB at a time. It maps the pages without writing their contents, so the engine may
-  use the cache meanwhile. The thread only runs on CPU time nothing else wants.
+  about 4 MiB a round, every layer's K and V halves side by side so that the
+  lowest block ids (the ones the pool hands out first) are mapped first. It maps
+  the pages without writing their contents, so the engine may use the cache
+  meanwhile. The thread only runs on CPU time nothing else wants (SCHED_IDLE).
+  The pool also reuses freed blocks before it touches new ones (`block_pool.py`).
 - Freed activations. glibc hands freed blocks above its trim threshold back to
   the kernel, and serves large blocks from fresh mappings, so a 12 MiB
   temporary (the float32 logits of 64 rows) faults in every step. `keep_freed_memory`
@@ -32,6 +35,7 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -66,43 +70,65 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-def prefault_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
+def prefault_in_background(tensors: list[torch.Tensor], parts: int = 1) -> threading.Thread | None:
     """Start a lowest-priority daemon thread that maps every page of `tensors`
     (host memory) without changing their contents; returns it, or None where the
-    kernel cannot (not Linux). It holds weak references only: a tensor freed
-    meanwhile is skipped. It stops at the first refusal (a kernel before 5.14 says
-    EINVAL)."""
+    kernel cannot (not Linux). Each tensor is `parts` equal contiguous parts (a KV
+    cache layer: its K and V halves), and the thread walks all parts side by side,
+    low offsets first, so pages are mapped in the order the block pool hands blocks
+    out (lowest id first). It holds weak references only: a tensor freed meanwhile is
+    skipped. It stops at the first refusal (a kernel before 5.14 says EINVAL)."""
     libc = _libc()
     if libc is None or not tensors:
         return None
     refs = [weakref.ref(t) for t in tensors]
-    thread = threading.Thread(target=_populate, args=(libc, refs), name="polyrunner-kv-prefault", daemon=True)
+    thread = threading.Thread(target=_populate, args=(libc, refs, parts), name="polyrunner-kv-prefault", daemon=True)
     thread.start()
     return thread
 
 
-def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
+def _lowest_priority() -> None:
+    """This thread only runs on CPU time nothing else wants: SCHED_IDLE, else nice 19 (Linux)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)   # this thread only (Linux)
-    except OSError:
-        pass
-    page = os.sysconf("SC_PAGE_SIZE")
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # 0: the calling thread
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+
+
+def populate_order(extents: list[tuple[int, int]], parts: int, page: int,
+                   chunk: int = CHUNK_BYTES) -> Iterator[tuple[int, int, int]]:
+    """`(tensor index, address, bytes)` of the page-aligned calls that map `extents`
+    (each tensor's (address, bytes), split into `parts` equal parts): one call per part
+    per round, every part advancing by the same offset, a round mapping about `chunk`."""
+    spans = []
+    for i, (start, size) in enumerate(extents):
+        size //= parts
+        spans += [(i, round_up(start + p * size, page), (start + (p + 1) * size) // page * page) for p in range(parts)]
+    step = max(page, chunk // max(len(spans), 1) // page * page)
+    offset = 0
+    while spans:
+        spans = [(i, begin, end) for i, begin, end in spans if begin + offset < end]
+        for i, begin, end in spans:
+            yield i, begin + offset, min(step, end - begin - offset)
+        offset += step
+
+
+def _populate(libc: ctypes.CDLL, refs: list[weakref.ref], parts: int) -> None:
+    _lowest_priority()
+    extents = []
     for ref in refs:
         tensor = ref()
+        extents.append((0, 0) if tensor is None else (tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        del tensor
+    for i, addr, n in populate_order(extents, parts, os.sysconf("SC_PAGE_SIZE")):
+        tensor = refs[i]()    # keeps the memory mapped during the call
         if tensor is None:
             continue
-        start = tensor.data_ptr()
-        end = (start + tensor.numel() * tensor.element_size()) // page * page
-        addr = round_up(start, page)
+        rc = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
         del tensor
-        while addr < end:
-            tensor = ref()    # keeps the memory mapped during the call
-            if tensor is None:
-                break
-            n = min(CHUNK_BYTES, end - addr)
-            rc = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_WRITE)
-            del tensor
-            if rc != 0:
-                logger.debug("KV cache prefault stopped: madvise: %s", os.strerror(ctypes.get_errno()))
-                return
-            addr += n
+        if rc != 0:
+            logger.debug("KV cache prefault stopped: madvise: %s", os.strerror(ctypes.get_errno()))
+            return

@@ -133,7 +133,7 @@ class CPUBackend(Backend):
         for cache in caches:
             cache[:, NULL_BLOCK].zero_()
         if self.config.cache.prefault_kv_cache:
-            prefault_in_background(caches)
+            prefault_in_background(caches, parts=2)   # K and V halves, in block order
         return caches
 
     def to_device(self, array):

@@ -1,10 +1,17 @@
 """Paged KV blocks: a fixed pool with a reserved null block and a prefix cache.
 
 Block 0 is the null block: never handed out, written by padded tokens, read by
-nobody. Free blocks wait in LRU order. With prefix caching, a full block is
-identified by a key chained over the whole prefix (parent key's hash + the
-block's tokens); a freed block keeps its key until it is reused, so a later
-request with the same prefix can take it back (reference counted).
+nobody. With prefix caching, a full block is identified by a key chained over
+the whole prefix (parent key's hash + the block's tokens); a freed block keeps
+its key until it is reused, so a later request with the same prefix can take it
+back (reference counted).
+
+Free blocks are handed out in three tiers:
+1. freed blocks without a key, most recently freed first: they hold nothing a
+   later request could reuse, and their memory is mapped and likely still in a
+   cache (on a host backend a never-touched block costs a page fault per 4 KiB);
+2. never-used blocks, lowest id first (the order a background prefault maps them);
+3. blocks holding a cached prefix, least recently freed first (vLLM's eviction).
 """
 
 from __future__ import annotations
@@ -44,40 +51,58 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.ref_cnt[NULL_BLOCK] = 1  # never free
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._plain: list[int] = []            # tier 1, a stack
+        self._fresh = num_blocks - 1            # tier 2: blocks 1 .. _fresh, handed out from 1 up
+        self._next_fresh = 1
+        self._cached: OrderedDict[int, None] = OrderedDict()   # tier 3, LRU
         self._key_of: dict[int, BlockKey] = {}
         self._block_of: dict[BlockKey, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._plain) + (self._fresh - self._next_fresh + 1) + len(self._cached)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever handed out: ids 1 .. this (the rest were never written)."""
+        return self._next_fresh - 1
+
+    def free_blocks(self) -> list[int]:
+        """Every free block id, in the order `allocate` would hand them out."""
+        return (self._plain[::-1] + list(range(self._next_fresh, self._fresh + 1)) + list(self._cached))
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
     def allocate(self, n: int) -> list[int]:
-        """Take n free blocks, least recently freed first; evicts their cache keys."""
-        if n > len(self._free):
-            raise RuntimeError(f"cannot allocate {n} blocks, {len(self._free)} free")
-        blocks = []
-        for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            key = self._key_of.pop(block, None)
-            if key is not None:
-                del self._block_of[key]
-            self.ref_cnt[block] = 1
+        """Take n free blocks in tier order (module docstring); evicts cache keys of tier 3."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
+        take = min(n, len(self._plain))
+        blocks = self._plain[len(self._plain) - take:][::-1]
+        del self._plain[len(self._plain) - take:]
+        take = min(n - len(blocks), self._fresh - self._next_fresh + 1)
+        blocks.extend(range(self._next_fresh, self._next_fresh + take))
+        self._next_fresh += take
+        for _ in range(n - len(blocks)):
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
             blocks.append(block)
+        self.ref_cnt[blocks] = 1
         return blocks
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; unreferenced blocks become free.
-        Pass blocks in request order: the tail is queued for eviction first."""
+        Pass blocks in request order: the head is reused first, the tail evicted first."""
         for block in reversed(blocks):
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
-                self._free[block] = None
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    self._plain.append(block)
 
     # ---- prefix cache ---------------------------------------------------
     def num_cached_prefix(self, keys: list[BlockKey]) -> int:
@@ -97,7 +122,7 @@ class BlockPool:
             hits.append(block)
         for block in hits:
             if self.ref_cnt[block] == 0:
-                del self._free[block]
+                del self._cached[block]
             self.ref_cnt[block] += 1
         return hits
 
