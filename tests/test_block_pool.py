@@ -1,7 +1,7 @@
 """BlockPool: the order free blocks are handed out in, and its books under any sequence of calls.
 
-Tiers (block_pool.py): freed blocks without a cache key, most recently freed first;
-then never-used blocks, lowest id first; then cached prefixes, least recently freed first.
+Tiers (block_pool.py): blocks without a cached prefix, lowest id first (so freed ones before
+never-used ones); then cached prefixes, least recently freed first.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ def test_fresh_blocks_go_out_lowest_id_first():
     assert pool.free_blocks() == [4, 5, 6, 7]
 
 
-def test_keyless_freed_blocks_are_reused_before_fresh_ones_head_first():
-    pool = BlockPool(10)
-    a, b = pool.allocate(3), pool.allocate(2)        # [1, 2, 3], [4, 5]
+def test_freed_blocks_are_reused_lowest_id_first_before_fresh_ones():
+    pool = BlockPool(12)
+    a, _held, c = pool.allocate(3), pool.allocate(2), pool.allocate(2)   # [1, 2, 3], [4, 5], [6, 7]
+    pool.free(c)
     pool.free(a)
-    pool.free(b)
-    # the most recently freed request first, each from its head; then blocks 6.. never used
-    assert pool.allocate(6) == [4, 5, 1, 2, 3, 6]
-    assert pool.num_touched_blocks == 6
+    assert pool.free_blocks()[:6] == [1, 2, 3, 6, 7, 8]
+    assert pool.allocate(6) == [1, 2, 3, 6, 7, 8]     # block 8 is the first never-used one
+    assert pool.num_touched_blocks == 8
 
 
 def test_cached_prefixes_are_evicted_last_least_recently_freed_first():
@@ -41,7 +41,7 @@ def test_cached_prefixes_are_evicted_last_least_recently_freed_first():
     pool.free(a)                             # cached: the tail (2) queued for eviction first
     b = pool.allocate(1)                     # [3]
     pool.free(b)                             # keyless
-    assert pool.free_blocks() == [3, 4, 5, 2, 1]
+    assert pool.free_blocks() == [3, 4, 5, 2, 1]   # keyless 3, never-used 4 and 5, then cached
     assert pool.allocate(4) == [3, 4, 5, 2]  # 2's key evicted, 1's kept
     assert pool.num_cached_prefix([key(1)]) == 1 and pool.num_cached_prefix([key(2)]) == 0
     assert pool.lookup([key(1)]) == [1] and pool.num_free_blocks == 0

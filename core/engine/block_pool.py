@@ -6,16 +6,19 @@ the whole prefix (parent key's hash + the block's tokens); a freed block keeps
 its key until it is reused, so a later request with the same prefix can take it
 back (reference counted).
 
-Free blocks are handed out in three tiers:
-1. freed blocks without a key, most recently freed first: they hold nothing a
-   later request could reuse, and their memory is mapped and likely still in a
-   cache (on a host backend a never-touched block costs a page fault per 4 KiB);
-2. never-used blocks, lowest id first (the order a background prefault maps them);
-3. blocks holding a cached prefix, least recently freed first (vLLM's eviction).
+Free blocks are handed out in two tiers:
+1. blocks without a cached prefix, lowest id first: freed ones before any never
+   used (every block ever handed out has a lower id than every never-used one), so
+   the pool touches new memory only when it must (on a host backend a never-touched
+   block costs a page fault per 4 KiB, and a background prefault maps blocks in id
+   order), and a request's blocks tend to be neighbours (decode attention streams
+   them: scattered blocks read ~20% slower on a CPU);
+2. blocks holding a cached prefix, least recently freed first (vLLM's eviction).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -51,17 +54,16 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = np.zeros(num_blocks, dtype=np.int32)
         self.ref_cnt[NULL_BLOCK] = 1  # never free
-        self._plain: list[int] = []            # tier 1, a stack
-        self._fresh = num_blocks - 1            # tier 2: blocks 1 .. _fresh, handed out from 1 up
-        self._next_fresh = 1
-        self._cached: OrderedDict[int, None] = OrderedDict()   # tier 3, LRU
+        self._plain: list[int] = []            # tier 1: freed blocks without a key, a heap ...
+        self._next_fresh = 1                    # ... and the never-used ones, _next_fresh .. num_blocks - 1
+        self._cached: OrderedDict[int, None] = OrderedDict()   # tier 2, LRU
         self._key_of: dict[int, BlockKey] = {}
         self._block_of: dict[BlockKey, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._plain) + (self._fresh - self._next_fresh + 1) + len(self._cached)
+        return len(self._plain) + (self.num_blocks - self._next_fresh) + len(self._cached)
 
     @property
     def num_touched_blocks(self) -> int:
@@ -70,7 +72,7 @@ class BlockPool:
 
     def free_blocks(self) -> list[int]:
         """Every free block id, in the order `allocate` would hand them out."""
-        return (self._plain[::-1] + list(range(self._next_fresh, self._fresh + 1)) + list(self._cached))
+        return sorted(self._plain) + list(range(self._next_fresh, self.num_blocks)) + list(self._cached)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -80,10 +82,8 @@ class BlockPool:
         """Take n free blocks in tier order (module docstring); evicts cache keys of tier 3."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
-        take = min(n, len(self._plain))
-        blocks = self._plain[len(self._plain) - take:][::-1]
-        del self._plain[len(self._plain) - take:]
-        take = min(n - len(blocks), self._fresh - self._next_fresh + 1)
+        blocks = [heapq.heappop(self._plain) for _ in range(min(n, len(self._plain)))]
+        take = min(n - len(blocks), self.num_blocks - self._next_fresh)
         blocks.extend(range(self._next_fresh, self._next_fresh + take))
         self._next_fresh += take
         for _ in range(n - len(blocks)):
@@ -95,14 +95,14 @@ class BlockPool:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference from each block; unreferenced blocks become free.
-        Pass blocks in request order: the head is reused first, the tail evicted first."""
+        Pass blocks in request order: of cached prefixes, the tail is evicted first."""
         for block in reversed(blocks):
             self.ref_cnt[block] -= 1
             if self.ref_cnt[block] == 0:
                 if block in self._key_of:
                     self._cached[block] = None
                 else:
-                    self._plain.append(block)
+                    heapq.heappush(self._plain, block)
 
     # ---- prefix cache ---------------------------------------------------
     def num_cached_prefix(self, keys: list[BlockKey]) -> int:
