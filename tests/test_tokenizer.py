@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
+from polyrunner.engine.tokenizer import PromptTooLong, Tokenizer  # noqa: E402
 
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -104,6 +104,17 @@ def _hf(folder: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+def test_encode_batch_refuses_a_text_over_max_tokens_naming_it(tmp_path):
+    mine = Tokenizer.from_pretrained(_byte_level_folder(tmp_path / "t"))
+    texts = [TEXTS[0], TEXTS[0] * 40]
+    ids = mine.encode_batch(texts)
+    assert ids == [mine.encode(t) for t in texts] and len(ids[1]) > len(ids[0])
+    assert mine.encode_batch(texts, max_tokens=len(ids[1])) == ids          # at the limit: fine
+    with pytest.raises(PromptTooLong) as caught:
+        mine.encode_batch(texts, max_tokens=len(ids[1]) - 1)
+    assert (caught.value.index, caught.value.num_tokens) == (1, len(ids[1]))
 
 
 @pytest.mark.parametrize("add_bos", [True, False, None])

@@ -39,6 +39,14 @@ TOKENIZER_FILE = "tokenizer.json"
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+class PromptTooLong(ValueError):
+    """`Tokenizer.encode_batch(..., max_tokens=)`: text `index` has `num_tokens` tokens, more than allowed."""
+
+    def __init__(self, index: int, num_tokens: int) -> None:
+        super().__init__(f"text {index} has {num_tokens} tokens")
+        self.index, self.num_tokens = index, num_tokens
+
+
 class Tokenizer:
     """Encode, decode and format chats for one model.
 
@@ -149,9 +157,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """`encode` of each text; releases the GIL while it tokenizes (other threads run meanwhile)."""
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True,
+                     max_tokens: int | None = None) -> list[list[int]]:
+        """`encode` of each text; releases the GIL while it tokenizes (other threads run meanwhile).
+        With `max_tokens`, a text of more tokens raises `PromptTooLong` before any id list is
+        built: turning a million tokens into Python ints holds the GIL (and /health) for ~0.5 s."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        if max_tokens is not None:
+            for index, encoding in enumerate(encodings):
+                if len(encoding) > max_tokens:
+                    raise PromptTooLong(index, len(encoding))
+        return [e.ids for e in encodings]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

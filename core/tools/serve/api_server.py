@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotAcceptingError
 from polyrunner.engine.engine_loop import sequences
+from polyrunner.engine.tokenizer import PromptTooLong
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.tools.serve import protocol as P
 from polyrunner.tools.serve.calls import Call, json_response
@@ -265,7 +266,11 @@ class Server:
         texts = [p for p in prompts if isinstance(p, str)]
         if not all(prompts):
             raise P.RequestError(f"{param} must not be empty", param)
-        encoded = iter(self.llm.tokenizer.encode_batch(texts) if texts else [])
+        try:
+            encoded = iter(self.llm.tokenizer.encode_batch(texts, max_tokens=self.llm.max_model_len - 1)
+                           if texts else [])
+        except PromptTooLong as e:
+            raise self.too_long(e.num_tokens, param) from None
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -279,12 +284,15 @@ class Server:
         """A prompt as the engine takes it, checked against max_model_len."""
         if not ids:
             raise P.RequestError(f"{param} must not be empty", param)
-        limit = self.llm.max_model_len
-        if len(ids) >= limit:
-            raise P.RequestError(f"This model's maximum context length is {limit} tokens. However, your "
-                                 f"prompt has {len(ids)} tokens; it may have at most {limit - 1}.",
-                                 param, code="context_length_exceeded")
+        if len(ids) >= self.llm.max_model_len:
+            raise self.too_long(len(ids), param)
         return {"prompt": text, "prompt_token_ids": ids}
+
+    def too_long(self, num_tokens: int, param: str) -> P.RequestError:
+        limit = self.llm.max_model_len
+        return P.RequestError(f"This model's maximum context length is {limit} tokens. However, your "
+                              f"prompt has {num_tokens} tokens; it may have at most {limit - 1}.",
+                              param, code="context_length_exceeded")
 
     async def start(self, request: Request, prefix: str, prompts: list[dict[str, Any]],
                     params: SamplingParams, param_names: dict[str, str] | None = None) -> Call:
