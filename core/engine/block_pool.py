@@ -9,10 +9,10 @@ back (reference counted).
 Free blocks are handed out in two tiers:
 1. blocks without a cached prefix, lowest id first: freed ones before any never
    used (every block ever handed out has a lower id than every never-used one), so
-   the pool touches new memory only when it must (on a host backend a never-touched
-   block costs a page fault per 4 KiB, and a background prefault maps blocks in id
-   order), and a request's blocks tend to be neighbours (decode attention streams
-   them: scattered blocks read ~20% slower on a CPU);
+   the pool touches new memory only when it must (a never-touched block may cost
+   page faults; a backend's prefault may map blocks in id order), and a request's
+   blocks tend to be neighbours, which attention reads faster than scattered ones
+   (figures: benchmarks/results/design-measurements.md, "Block order");
 2. blocks holding a cached prefix, least recently freed first (vLLM's eviction).
 """
 
@@ -79,7 +79,7 @@ class BlockPool:
         return self.num_blocks - 1
 
     def allocate(self, n: int) -> list[int]:
-        """Take n free blocks in tier order (module docstring); evicts cache keys of tier 3."""
+        """Take n free blocks in tier order (module docstring); evicts the cache keys of tier 2."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"cannot allocate {n} blocks, {self.num_free_blocks} free")
         blocks = [heapq.heappop(self._plain) for _ in range(min(n, len(self._plain)))]
