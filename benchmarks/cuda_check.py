@@ -3,11 +3,15 @@ and Triton preinstalled, no network). Runs from the repository root:
 
     python benchmarks/cuda_check.py [--model PATH.gguf|HF-folder] [--deadline 480]
 
-Installs the project from the working tree (`pip install -e . --no-deps`, then
-re-executes itself), then runs phases, each under its own time limit and all
-under a global deadline (8 minutes by default), and ALWAYS prints a summary and
-a final JSON line, whatever failed:
+First (`cuda_check_setup.py`) installs the wheels of `--wheels` (default `.whl`,
+made here by `cuda_wheels.py`: pydantic and its dependencies, gguf) with pip
+`--no-index --target`, makes polyrunner importable from this tree without
+installing it, and checks every import up front (what is missing is named, with
+the fix, and the GPU phases skip with that reason). Then it runs phases, each
+under its own time limit and all under a global deadline (8 minutes by default),
+and ALWAYS prints a summary and a final JSON line, whatever failed:
 
+  setup       wheels installed, how polyrunner imports, modules missing
   env         versions, GPU, triton / attention op in use
   tests       pytest of the Triton, graph and CUDA-backend tests (GPU cases run)
   tiny        a tiny float32 Llama: greedy tokens of cuda (graphs) and cuda eager
@@ -34,7 +38,6 @@ import contextlib
 import functools
 import gc
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -42,6 +45,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from cuda_check_setup import prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_SHAPE = dict(vocab=49152, hidden=576, inter=1536, layers=30, heads=9, kv_heads=3, max_pos=8192)
@@ -66,25 +71,7 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-# ---- set-up ---------------------------------------------------------------------------
-def ensure_installed() -> str:
-    """'installed' when polyrunner imports from this tree, else pip install -e . --no-deps and re-exec."""
-    try:
-        import polyrunner
-        if Path(polyrunner.__file__).resolve().parent == ROOT / "core":
-            return "installed"
-    except ImportError:
-        pass
-    if os.environ.get("POLYRUNNER_CHECK_REEXEC"):
-        return "install failed (see pip output above)"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "-e", str(ROOT)], capture_output=True, text=True, timeout=120)
-    print(proc.stdout[-2000:], proc.stderr[-2000:], flush=True)
-    os.environ["POLYRUNNER_CHECK_REEXEC"] = "1"
-    os.execv(sys.executable, [sys.executable, *sys.argv])  # pick up the editable install's .pth
-    return "unreachable"
-
-
+# ---- set-up: cuda_check_setup.py -------------------------------------------------------
 def write_llama(folder: Path, *, vocab=512, hidden=64, inter=128, layers=2, heads=4, kv_heads=2, max_pos=2048,
                 seed=0, std=0.08, dtype="float32") -> Path:
     """A random Llama checkpoint (config.json + safetensors): the conformance suite's writer."""
@@ -92,6 +79,11 @@ def write_llama(folder: Path, *, vocab=512, hidden=64, inter=128, layers=2, head
     return write_tiny_llama(folder, seed=seed, std=std, dtype=dtype, vocab_size=vocab, hidden_size=hidden,
                             intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                             num_key_value_heads=kv_heads, max_position_embeddings=max_pos)
+
+
+def cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def free() -> None:
@@ -132,8 +124,7 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> dict:
 # ---- phases -------------------------------------------------------------------------
 def phase_env(args, ctx) -> dict:
     import torch
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-           "install": ctx["install"]}
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
         import triton
         out["triton"] = triton.__version__
@@ -344,20 +335,25 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF file or HF folder (default: the embedded SmolLM2 GGUF if installed)")
     ap.add_argument("--deadline", type=float, default=480.0, help="global seconds (default 480)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".whl",
+                    help="wheels to install first, without network (default .whl; see cuda_wheels.py)")
     args = ap.parse_args()
     t_start = time.monotonic()
-    summary: dict = {}
-    ctx = {"install": ensure_installed(), "tmp": tempfile.mkdtemp(prefix="cuda-check-")}
+    ctx = {"tmp": tempfile.mkdtemp(prefix="cuda-check-")}
+    summary: dict = {"setup": prepare(args.wheels, Path(ctx["tmp"]) / "site")}
     try:
-        import torch
-        gpu = torch.cuda.is_available()
+        missing = summary["setup"]["missing"]
+        gpu = not missing and cuda_available()
         for name, budget, fn in PHASES:
             left = args.deadline - (time.monotonic() - t_start) - 10
             if name in args.skip.split(","):
                 summary[name] = {"skipped": "--skip"}
                 continue
+            if missing:
+                summary[name] = {"skipped": f"setup: cannot import {', '.join(m.split()[0] for m in missing)}"}
+                continue
             if not gpu and name not in ("env",):
-                summary[name] = {"skipped": "no CUDA device"}
+                summary[name] = {"skipped": "no CUDA device (torch.cuda.is_available() is False)"}
                 continue
             if left < 15:
                 summary[name] = {"skipped": "global deadline"}
