@@ -18,7 +18,8 @@ imports a device library.
   block-table width capped at `max_seq_len_to_capture`, and longer contexts run
   eagerly.
 - `profiled_kv_budget`, `async_to_host`, `pinned_upload`: memory profiling and
-  host<->device transfers over a CUDA-like device module; the profile also
+  host<->device transfers over a CUDA-like device module (uploads staged through
+  a persistent pinned arena, `staging.py`); the profile also
   measures activation bytes per token, from which `StaticGraphExecutor`
   estimates the graph pool to reserve before the KV budget is fixed.
 """
@@ -26,6 +27,7 @@ imports a device library.
 from __future__ import annotations
 
 import bisect
+import functools
 import gc
 import inspect
 import logging
@@ -40,6 +42,7 @@ from polyrunner.attention.batched import STATIC_DECODE
 from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
+from polyrunner.device.staging import PinnedStaging
 from polyrunner.numeric import cdiv
 
 if TYPE_CHECKING:
@@ -413,11 +416,15 @@ def profiled_kv_budget(mod: Any, config: EngineConfig, weights_bytes: int, profi
     return max(0, budget)
 
 
+@functools.lru_cache(maxsize=None)
+def _staging(device: torch.device) -> PinnedStaging:
+    return PinnedStaging(torch.get_device_module(device), device)
+
+
 def pinned_upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> device without blocking the host: staged through pinned memory."""
-    if tensor.device.type == "cpu" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+    """Host tensor -> device without blocking the host: staged through the device's one
+    persistent pinned arena (`PinnedStaging`; nothing is pinned per call)."""
+    return _staging(torch.device(device)).upload(tensor)
 
 
 def async_to_host(mod: Any, tensor: torch.Tensor, stream: Any = None) -> HostFuture:
