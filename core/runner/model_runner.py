@@ -107,7 +107,8 @@ class ModelRunner:
         self.num_blocks = 0
         num_slots = config.scheduler.max_num_seqs
         sampling = SamplingState(num_slots, arch.vocab_size, backend.device,
-                                 backend.make_generator(config.model.seed), config.model.logprobs_mode)
+                                 backend.make_generator(config.model.seed), config.model.logprobs_mode,
+                                 backend.to_device)
         self.states = RequestStates(num_slots, max_model_len, self.max_blocks_per_req, self.block_size, sampling)
         self._last_decode: LastDecode | None = None   # the next all-decode step on its slots advances it
         self._in_flight: AsyncModelRunnerOutput | None = None   # the last step `execute_async` queued

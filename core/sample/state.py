@@ -108,11 +108,15 @@ class SamplingState:
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device,
                  default_generator: torch.Generator | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+                 logprobs_mode: str = "raw_logprobs",
+                 to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """`default_generator`: the engine's own stream for random rows without a
         seed, so engine-seeded runs do not depend on torch's global RNG.
-        `logprobs_mode`: the engine's (see `SamplingMetadata.logprobs_mode`)."""
+        `logprobs_mode`: the engine's (see `SamplingMetadata.logprobs_mode`).
+        `to_device`: the backend's upload (`Backend.to_device`: staged through pinned
+        memory where the device has it); default a non-blocking `.to(device)`."""
         self.default_generator = default_generator
+        self._to_device = to_device
         self.logprobs_mode = logprobs_mode
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
@@ -237,7 +241,7 @@ class SamplingState:
         t = torch.from_numpy(np.array(arr, copy=True))
         if self.device.type == "cpu":
             return t
-        return t.to(self.device, non_blocking=True)
+        return self._to_device(t) if self._to_device is not None else t.to(self.device, non_blocking=True)
 
     def generators_by_row(self, slots: np.ndarray, discard: np.ndarray | None = None
                           ) -> dict[int, torch.Generator]:
