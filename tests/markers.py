@@ -16,7 +16,7 @@ SLOW = {
 }
 KERNELS = {
     "test_cpu_decode_kernels", "test_cpu_kernel_table", "test_cpu_kernels_fast", "test_cpu_prefill_attention",
-    "test_cpu_quant_kernels", "test_triton_attention", "test_triton_compile",
+    "test_cpu_quant_kernels", "test_triton_attention", "test_triton_compile", "test_triton_fused_ops",
 }
 SERVER = {"test_serve", "test_serve_hostile", "test_structured_serve", "test_structured_async_compile",
           "test_vllm_api_compat"}

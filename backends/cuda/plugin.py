@@ -22,8 +22,12 @@ no visible device) instead of failing.
   mixed prefill + decode batches, plus a KV-write kernel) when triton is
   installed (the `cuda` extra); otherwise `sdpa_paged_attention` (torch SDPA /
   matmul) with a warning.
-- Transfers: uploads staged through pinned memory (non_blocking); outputs
-  copied into a pinned buffer behind a CUDA event.
+- Transfers: uploads staged through one persistent pinned arena per device
+  (`pinned_upload` -> `PinnedStaging`; nothing pinned per step), non_blocking;
+  outputs copied into a pinned buffer behind a CUDA event.
+- Op overrides (`op_overrides.py`): fused Triton RMSNorm (with the residual
+  add), rotary (in place) and SiLU-and-mul replace the core's modules when
+  triton imports; `POLYRUNNER_CUDA_FUSED=0` keeps the core's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 from polyrunner.backends.cuda import envs
+from polyrunner.backends.cuda.op_overrides import cuda_op_overrides
 from polyrunner.backends.diagnose import check_pinned, cuda_torch_fix, find_compiler
 from polyrunner.plugin_api import (
     AttentionMetadata,
@@ -179,6 +184,10 @@ class CUDABackend(Backend):
         with torch.cuda.device(self._device):
             return profiled_kv_budget(torch.cuda, self.config, weights_bytes, worst_case_profile(profile), "cuda",
                                       reserve)
+
+    def op_overrides(self, dtype: torch.dtype) -> dict[str, Callable[[torch.nn.Module], torch.nn.Module]]:
+        """Fused Triton RMSNorm, rotary and SiLU-and-mul (`op_overrides.py`), or none without Triton."""
+        return cuda_op_overrides(self.config, dtype)
 
     def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         config = self.config
