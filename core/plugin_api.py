@@ -30,8 +30,9 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 - op overrides (`Backend.op_overrides`): the role table `ROLES` (each role's
   reference and the call a replacement keeps), `MODULE_ROLES` (the roles a
   backend may override, in the order they are applied), `OpFactory` (a role's
-  factory), and the reference modules `RMSNorm`, `GatedMLP` (with
-  `silu_and_mul`) and `RotaryEmbedding`;
+  factory), the reference modules `RMSNorm`, `GatedMLP` (with
+  `silu_and_mul`) and `RotaryEmbedding`, and `RMSNormOverride` (the base of a
+  backend's RMSNorm: keeps `weight`, `eps` and the replaced module);
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `graph_token_sizes`, `GraphBucketPolicy`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
@@ -79,7 +80,16 @@ from polyrunner.device.graphs import (
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.envs import cache_root, declare
 from polyrunner.numeric import cdiv, round_up
-from polyrunner.ops import MODULE_ROLES, ROLES, GatedMLP, OpFactory, RMSNorm, RotaryEmbedding, silu_and_mul
+from polyrunner.ops import (
+    MODULE_ROLES,
+    ROLES,
+    GatedMLP,
+    OpFactory,
+    RMSNorm,
+    RMSNormOverride,
+    RotaryEmbedding,
+    silu_and_mul,
+)
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.api_version import PLUGIN_API_VERSION, PluginVersionError
 from polyrunner.runner.inputs import StepInputs
@@ -111,7 +121,7 @@ __all__ = [
     "causal_mask", "sdpa_paged_attention", "attend_cached", "STATIC_DECODE", "static_shape_paged_attention",
     "TOKEN_BLOCK_TABLES",
     # op overrides (faster modules per role)
-    "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
+    "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "RMSNormOverride", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",

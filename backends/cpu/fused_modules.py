@@ -11,16 +11,11 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels
+from polyrunner.plugin_api import RMSNormOverride
 
 
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(RMSNormOverride):
     """Hugging Face RMSNorm (normalise in float32, scale in bfloat16) as one C++ pass."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = float(norm.eps)
-        self.inner = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.shape[-1] != self.weight.shape[0]:

@@ -13,16 +13,11 @@ from torch import nn
 
 from polyrunner.backends.cuda import triton_norm, triton_rotary
 from polyrunner.backends.cuda.triton_activation import silu_and_mul
+from polyrunner.plugin_api import RMSNormOverride
 
 
-class TritonRMSNorm(nn.Module):
+class TritonRMSNorm(RMSNormOverride):
     """RMSNorm (`forward`, `forward_add`) as one Triton pass; keeps `weight` and `eps`."""
-
-    def __init__(self, norm: nn.Module) -> None:
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = float(norm.eps)
-        self.inner = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not triton_norm.supported(x, self.weight):

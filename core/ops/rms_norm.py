@@ -26,3 +26,14 @@ class RMSNorm(nn.Module):
         one call, so a backend's fused module can do both in one pass."""
         residual = x + residual
         return self(residual), residual
+
+
+class RMSNormOverride(nn.Module):
+    """Base of a backend's "rms_norm" replacement: keeps the role's `weight` and `eps`, and the
+    replaced module as `inner` (what a subclass falls back to for inputs its kernel does not take)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = float(norm.eps)
+        self.inner = norm
