@@ -44,7 +44,9 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 - environment variables: `declare` (a plugin's own `POLYRUNNER_<NAME>_*` variables:
   name, type, default, meaning; listed by `python -m polyrunner.tools.env_table`) and
   `cache_root` (the folder for a plugin's compiled artefacts);
-- `EngineConfig`: the configuration the hooks and `Backend` methods receive;
+- `EngineConfig`: the configuration the hooks and `Backend` methods receive, and
+  `resolved_max_model_len(config)` (the engine's max_model_len before the model is
+  loaded: the option, else the model's max_position_embeddings);
   `StepInputs`: a step's padded host arrays (`Backend.host_attention_extras`).
 """
 
@@ -79,6 +81,7 @@ from polyrunner.device.graphs import (
 )
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.envs import cache_root, declare
+from polyrunner.models.context_length import resolved_max_model_len
 from polyrunner.numeric import cdiv, round_up
 from polyrunner.ops import (
     MODULE_ROLES,
@@ -111,7 +114,7 @@ __all__ = [
     "hookimpl", "register", "PLUGIN_API_VERSION", "PluginVersionError",
     # the backend contract
     "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
-    "HostFuture", "EngineConfig", "StepInputs",
+    "HostFuture", "EngineConfig", "resolved_max_model_len", "StepInputs",
     # padding buckets
     "BucketPolicy", "GraphBucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache

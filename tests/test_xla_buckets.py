@@ -74,6 +74,22 @@ def test_policy_sources(monkeypatch):
     assert (p.token_buckets, p.request_buckets) == ([256], [16])
 
 
+@pytest.mark.parametrize("max_model_len", [None, 32768])
+def test_pallas_request_cap_uses_the_engines_max_model_len(monkeypatch, tmp_path, max_model_len):
+    """Pallas's SMEM cap on requests follows the length the engine will run with: the option, else
+    the model's max_position_embeddings (a 128k-context model), known before the model loads."""
+    from polyrunner.backends.xla import pallas
+    from polyrunner.backends.xla.plugin import XLABackend
+    from polyrunner.tools.conformance.tiny_llama import write_tiny_llama
+    folder = write_tiny_llama(tmp_path / "m", max_position_embeddings=131072)
+    monkeypatch.setattr(XLABackend, "wants_pallas", classmethod(lambda cls: True))
+    cfg = EngineConfig(model=ModelConfig(model=str(folder), max_model_len=max_model_len),
+                       scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048))
+    cap = pallas.max_num_seqs(max_model_len or 131072, cfg.cache.block_size)
+    assert cap < 256
+    assert XLABackend.policy_for(cfg).request_buckets[-1] == cap
+
+
 def test_policy_must_cover_the_token_budget():
     cfg = EngineConfig(model=ModelConfig(), scheduler=SchedulerConfig(max_num_batched_tokens=256),
                        runner=RunnerConfig(token_buckets=[16, 128]))

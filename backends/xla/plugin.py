@@ -43,6 +43,7 @@ from polyrunner.plugin_api import (
     KVCacheSpec,
     LayerSpec,
     hookimpl,
+    resolved_max_model_len,
     static_shape_paged_attention,
 )
 
@@ -139,8 +140,7 @@ class XLABackend(Backend):
         limit = None
         if cls.wants_pallas():
             from polyrunner.backends.xla import pallas
-            max_len = config.model.max_model_len or 8192
-            limit = pallas.max_num_seqs(max_len, config.cache.block_size)
+            limit = pallas.max_num_seqs(resolved_max_model_len(config), config.cache.block_size)
         return xla_bucket_policy(config, limit)
 
     @classmethod

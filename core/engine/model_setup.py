@@ -23,6 +23,7 @@ from polyrunner.device.backend import Backend
 from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
+from polyrunner.models.context_length import max_model_len
 from polyrunner.models.gguf.quantized import quantizer, select_quantization
 from polyrunner.models.loader import checkpoint_dtype, load_model, read_model_config
 from polyrunner.models.registry import resolve_model_class
@@ -52,14 +53,6 @@ def read_arch(config: EngineConfig) -> tuple[Path, dict[str, Any], DecoderArch]:
     folder = resolve_model_folder(config.model.model)
     hf_config, arch = read_model_config(folder)   # checked, also against the checkpoint's shapes
     return folder, hf_config, arch
-
-
-def max_model_len(arch: DecoderArch, config: EngineConfig) -> int:
-    limit = arch.max_position_embeddings
-    wanted = config.model.max_model_len
-    if wanted is not None and wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings ({limit})")
-    return wanted or limit
 
 
 def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | None = None) -> LoadedModel:
