@@ -23,6 +23,8 @@ if not HAS_CUDA:
 
 from polyrunner.attention.metadata import LayerSpec  # noqa: E402
 from polyrunner.attention.reference import write_kv  # noqa: E402
+from polyrunner.backends.cuda import triton_attention as ta  # noqa: E402
+from polyrunner.backends.cuda.attention_launch import TABLE, LaunchParams, launch_params, params_for  # noqa: E402
 from polyrunner.backends.cuda.triton_attention import triton_paged_attention, unified_attention  # noqa: E402
 from polyrunner.backends.cuda.triton_kv_write import triton_write_kv  # noqa: E402
 from test_cuda_backend import make_batch, poison_unused_slots  # noqa: E402
@@ -43,7 +45,7 @@ def random_mixed_batch(rng, block_size, pad=(3, 2)):
 
 
 def run_case(reqs, *, heads, kv_heads, window, block_size, dtype, seed, pad=(3, 2), head=16,
-             segments=None):
+             segments=None, launch=None, decode_only=False):
     spec = LayerSpec(heads, kv_heads, head, head ** -0.5, window)
     T = sum(n for _, n in reqs)
     nb = 2 + sum(-(-(c + n) // block_size) for c, n in reqs)
@@ -59,12 +61,13 @@ def run_case(reqs, *, heads, kv_heads, window, block_size, dtype, seed, pad=(3, 
     tri_cache = cache.clone()
     # float64 from the same (rounded) inputs; the bound of fp32 math with P in the inputs' dtype for P.V
     ref = attention_reference(q, k, v, cache, meta, spec, p_dtype=None if dtype == torch.float32 else dtype)
-    if segments is None:
+    if segments is None and launch is None:
         out = triton_paged_attention(q, k, v, tri_cache, meta, spec)
     else:
         triton_write_kv(tri_cache, k, v, meta.slot_mapping)
         out = unified_attention(q, tri_cache[0], tri_cache[1], meta.query_start_loc, meta.seq_lens,
-                                meta.block_tables, spec, segments=segments)
+                                meta.block_tables, spec, segments=segments, launch=launch,
+                                decode_only=decode_only)
     return out, ref, tri_cache, T
 
 
@@ -133,6 +136,91 @@ def test_split_decode_equals_single_pass(window):
     expected, bound = ref
     assert_close_ulp(out[:T], ref_out[:T], torch.float32, ulps=0,
                      abs_err=2 * (bound[:T] + ulp(expected[:T], torch.float32)))
+
+
+# the dtypes each dtype class of the launch table runs in here (the interpreter has no bfloat16 dots)
+CLASS_DTYPES = {"half": [torch.float16] + ([torch.bfloat16] if HAS_CUDA else []), "float32": [torch.float32]}
+GROUPS = {1: (1, 1), 3: (3, 1), 8: (8, 1)}   # GQA group -> (query heads, KV heads)
+
+
+def table_cases():
+    return [pytest.param(key, dtype, id=f"{key[0]}-{key[1]}-{key[2]}-{str(dtype)[6:]}")
+            for key in sorted(TABLE) for dtype in CLASS_DTYPES[key[1]]]
+
+
+@pytest.mark.parametrize("key,dtype", table_cases())
+def test_every_launch_entry_matches_reference(key, dtype):
+    """Each TABLE entry, forced on mixed batches at its head size for groups 1/3/8: decodes, a fresh
+    prefill shorter than BLOCK_Q, a chunked prefill with context spanning two q blocks where BLOCK_Q
+    is small (q blocks start off request boundaries: the requests before it do not fill them),
+    padded tokens and requests, a sliding window at G=3; decode entries also on their own path
+    (decode-only batch, split decode) as `launch_params` picks them."""
+    head, _, kind = key
+    rel = 0.01 if dtype == torch.float32 else 0.02
+    for group, (heads, kv_heads) in GROUPS.items():
+        launch = params_for(TABLE[key], group)
+        assert launch.fits(group)
+        long = launch.block_q + 3 if launch.block_q <= 40 else 20
+        reqs = [(33, 1), (0, 1), (0, max(2, min(launch.block_q - 1, 9))), (21, long)]
+        window = 7 if group == 3 else None
+        out, ref, _, T = run_case(reqs, heads=heads, kv_heads=kv_heads, window=window, block_size=16,
+                                  dtype=dtype, seed=group + head, head=head, launch=launch)
+        check_attention(out, ref, T, rel=rel, msg=f"{key} G={group} {launch}: ")
+        assert torch.all(out[T:] == 0), "padded token rows must be zero"
+    if kind == "decode":
+        assert launch_params(head, dtype, 8, True) == params_for(TABLE[key], 8)
+        reqs = [(40, 1), (3, 1), (0, 1), (70, 1)]
+        out, ref, _, T = run_case(reqs, heads=8, kv_heads=1, window=None, block_size=16, dtype=dtype,
+                                  seed=head, head=head, decode_only=True, segments=4)
+        check_attention(out, ref, T, rel=rel, msg=f"{key} split decode: ")
+
+
+def test_launch_params_follow_the_table():
+    """Head sizes round up to a head bucket (past 256: the 256 row); decode rows are G rounded
+    up to >= 16; prefill rows are the entry's, or G rounded up when wider."""
+    assert launch_params(128, torch.bfloat16, 8, True) == params_for(TABLE[128, "half", "decode"], 8)
+    assert launch_params(80, torch.float16, 4, False) == params_for(TABLE[128, "half", "prefill"], 4)
+    assert launch_params(16, torch.float32, 1, False) == params_for(TABLE[64, "float32", "prefill"], 1)
+    assert launch_params(512, torch.bfloat16, 2, False) == params_for(TABLE[256, "half", "prefill"], 2)
+    for (head, dclass, kind), entry in TABLE.items():
+        dtype = CLASS_DTYPES[dclass][0]
+        for group in (1, 3, 5, 8, 16, 24):
+            p = launch_params(head, dtype, group, kind == "decode")
+            assert p.fits(group) and p.block_q == p.block_m // group, (head, dclass, kind, group, p)
+            assert p.block_m == max(entry.rows, triton_next_pow2(group))
+            assert (p.tile, p.num_warps, p.num_stages) == (entry.tile, entry.num_warps, entry.num_stages)
+            if kind == "decode":
+                assert p.block_m == max(16, triton_next_pow2(group))
+            elif group <= 16:
+                assert p.block_m >= 32 and p.block_q * group > 16, "prefill programs take more than 16 rows"
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def test_unified_attention_launches_through_the_table(monkeypatch):
+    """unified_attention asks `launch_params` (head size, dtype, G, decode_only), launches with its
+    answer, and rejects a launch that does not fit the group."""
+    seen = []
+
+    def spy(head, dtype, group, decode_only):
+        seen.append((head, dtype, group, decode_only))
+        return LaunchParams(tile=16, block_m=16, block_q=2, num_warps=4, num_stages=1)
+
+    monkeypatch.setattr(ta, "launch_params", spy)
+    reqs = [(5, 1), (0, 7), (17, 5)]
+    out, ref, _, T = run_case(reqs, heads=8, kv_heads=2, window=None, block_size=16, dtype=torch.float32,
+                              seed=11, head=24)
+    check_attention(out, ref, T)
+    assert seen == [(24, torch.float32, 4, False)]
+    spec = LayerSpec(8, 2, 16, 0.25)
+    cache = torch.zeros(4, 16, 2, 16)
+    args = (torch.zeros(2, 8, 16), cache, cache, torch.tensor([0, 2], dtype=torch.int32),
+            torch.tensor([2], dtype=torch.int32), torch.ones(1, 1, dtype=torch.int32), spec)
+    for bad in (LaunchParams(16, 16, 5, 4, 1), LaunchParams(16, 24, 2, 4, 1), LaunchParams(8, 16, 2, 4, 1)):
+        with pytest.raises(ValueError, match="does not fit group 4"):
+            unified_attention(*args, launch=bad)
 
 
 def test_kv_write_matches_reference_and_skips_negative_slots():

@@ -9,14 +9,23 @@ block-table width (which is what lets graphs be keyed by batch size alone).
 
 Grid `(q_blocks, Hkv, segments)`. A program owns BLOCK_Q query tokens of one
 request times the G = Hq/Hkv query heads sharing one KV head (GQA: K/V are
-read once per group, never repeated): BLOCK_M = BLOCK_Q * G rows of one
-`tl.dot`. Program p finds its request by binary search over
-`query_start_loc // BLOCK_Q + index` (at most `T_pad // BLOCK_Q + R_pad` q
-blocks exist; the surplus exits at once, as do padded requests, whose query
-length is 0). It walks the request's keys in tiles of TILE tokens, looking up
-each key's block in the block table (any block size), with a float32 online
-softmax: causal by absolute position (query i of a request with context c
-sits at c + i), and the sliding window skips tiles wholly before it.
+read once per group, never repeated): BLOCK_M >= BLOCK_Q * G rows of one
+`tl.dot` (row m is query token m // G, head m % G; rows past BLOCK_Q * G or
+past the request's last token are masked). Program p finds its request by
+binary search over `query_start_loc // BLOCK_Q + index` (at most
+`T_pad // BLOCK_Q + R_pad` q blocks exist; the surplus exits at once, as do
+padded requests, whose query length is 0, and a request's q blocks never
+cross into the next request). It walks the request's keys in tiles of TILE
+tokens, looking up each key's block in the block table (any block size),
+with a float32 online softmax: causal by absolute position (query i of a
+request with context c sits at c + i), and the sliding window skips tiles
+wholly before it.
+
+TILE, BLOCK_M, BLOCK_Q, num_warps and num_stages come from the launch table
+(`attention_launch.launch_params`: by padded head size, dtype and whether the
+step is decode-only), tuned so no entry spills registers on sm_90 with
+unit head-dim strides; decode programs take max(16, G rounded up to a power
+of two) rows, prefill/mixed programs 32-128.
 
 Decode-only steps with few (request, KV head) pairs split each request's
 keys into SEGMENTS parts (grid axis 2) written as partial (max, sum, acc) and
@@ -33,10 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrunner.backends.cuda.attention_launch import LaunchParams, launch_params
 from polyrunner.backends.cuda.triton_kv_write import triton_write_kv
 from polyrunner.plugin_api import AttentionMetadata, LayerSpec
 
-TILE_SIZE = 32                # keys per inner step (>= 16 for tl.dot)
 SEGMENTS = 16                 # key segments per request in split decode
 SPLIT_BELOW_PROGRAMS = 512    # split decode when R_pad * Hkv is below this
 _LOG2E = 1.4426950408889634
@@ -171,20 +180,17 @@ def _combine_kernel(out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, num_reqs, o_st,
              mask=d_idx < HEAD_SIZE)
 
 
-def block_m_for(group: int) -> int:
-    """Rows per program: 16, or the group size rounded up to a power of two when larger."""
-    return 16 if group <= 16 else triton.next_power_of_2(group)
-
-
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       spec: LayerSpec, *, decode_only: bool = False,
-                      segments: int | None = None) -> torch.Tensor:
+                      segments: int | None = None, launch: LaunchParams | None = None) -> torch.Tensor:
     """Attention of q `[T_pad, Hq, D]` over the paged caches `[NB, bs, Hkv, D]`
     (any strides). `query_start_loc` `[R_pad + 1]`, `seq_lens` `[R_pad]`,
     `block_tables` `[R_pad, W]` (int32) live on q's device; the step's tokens must
     already be in the caches. `decode_only` (every request has one query token)
-    allows split decode; `segments` forces its segment count (1 = no split).
+    allows split decode and picks the decode row of the launch table; `segments`
+    forces the segment count (1 = no split), `launch` the launch parameters
+    (default `launch_params(D, q.dtype, Hq // Hkv, decode_only)`).
     Returns `[T_pad, Hq, D]` in q's dtype, zero on padded rows."""
     T, num_heads, head = q.shape
     block_size, num_kv = key_cache.shape[1], key_cache.shape[2]
@@ -197,8 +203,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if T == 0 or R == 0:
         return out
     group = num_heads // num_kv
-    block_m = block_m_for(group)
-    block_q = block_m // group
+    if launch is None:
+        launch = launch_params(head, q.dtype, group, decode_only)
+    if not launch.fits(group):
+        raise ValueError(f"{launch} does not fit group {group}: needs 1 <= BLOCK_Q, BLOCK_Q * G <= BLOCK_M "
+                         "and TILE, BLOCK_M powers of two >= 16")
     if segments is None:
         segments = SEGMENTS if decode_only and R * num_kv < SPLIT_BELOW_PROGRAMS else 1
     head_pad = max(16, triton.next_power_of_2(head))
@@ -208,15 +217,16 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         part_ml = torch.empty((T, num_heads, segments, 2), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    grid = (T // block_q + R, num_kv, segments)
+    grid = (T // launch.block_q + R, num_kv, segments)
     _attention_kernel[grid](
         q, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_tables,
         spec.scale * _LOG2E, R,
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD_SIZE=head, HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size, TILE=TILE_SIZE, BLOCK_M=block_m, BLOCK_Q=block_q,
-        WINDOW=window, SEGMENTS=segments, IEEE=q.dtype == torch.float32)
+        BLOCK_SIZE=block_size, TILE=launch.tile, BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q,
+        WINDOW=window, SEGMENTS=segments, IEEE=q.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     if segments > 1:
         _combine_kernel[(T, num_heads)](
             out, part_acc, part_ml, query_start_loc, R, *out.stride(),
