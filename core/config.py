@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from polyrunner import envs
 
@@ -18,6 +18,12 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 # and min-p (the distribution the token was sampled from); "logprobs" are log-softmaxed.
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+# vLLM's `CUDAGraphMode` names a graph-capturing backend honours (polyrunner.device.graph_buckets)
+GraphMode = Literal["NONE", "FULL_DECODE_ONLY", "FULL"]
+GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+# Who builds the engine (vLLM's `UsageContext` names): device-dependent scheduler defaults
+# (`Backend.default_limits`) differ for the offline `LLM` class and the OpenAI-compatible server.
+UsageContext = Literal["LLM_CLASS", "OPENAI_API_SERVER"]
 
 
 class _Strict(BaseModel):
@@ -56,7 +62,9 @@ class CacheConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    """Continuous batching limits."""
+    """Continuous batching limits. `max_num_seqs` and `max_num_batched_tokens` left unset
+    (not passed) take the backend's `default_limits` first (vLLM's device-dependent defaults;
+    e.g. CUDA with >= 70 GiB: 1024 and 16384, LLM class), else the defaults here."""
 
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
@@ -84,11 +92,32 @@ class ParallelConfig(_Strict):
 class RunnerConfig(_Strict):
     """How the backend executes the model."""
 
+    @field_validator("cudagraph_mode", mode="before")
+    @classmethod
+    def _check_cudagraph_mode(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        name = getattr(value, "name", value)   # vLLM's CUDAGraphMode enum, or its name
+        if isinstance(name, str) and name.upper() in GRAPH_MODES:
+            return name.upper()
+        why = (" (piecewise graphs need torch.compile's graph split, which polyrunner does not do)"
+               if isinstance(name, str) and "PIECEWISE" in name.upper() else "")
+        raise ValueError(f"runner.cudagraph_mode must be one of {', '.join(map(repr, GRAPH_MODES))} or None "
+                         f"(the backend's default), got {value!r}{why}")
+
     backend: str | None = Field(default=None, description="None: best available")
     enforce_eager: bool = False
+    cudagraph_mode: GraphMode | None = Field(
+        default=None, description="vLLM's `compilation_config.cudagraph_mode`, for graph-capturing backends: "
+        "\"FULL_DECODE_ONLY\" (graphs of decode steps), \"FULL\" (also of mixed prefill+decode steps; needs a "
+        "length-adaptive attention, else FULL_DECODE_ONLY), \"NONE\" (no graphs); None: the backend's default. "
+        "enforce_eager=True means NONE")
     strict_no_recompile: bool = False
     token_buckets: list[int] | None = None
     request_buckets: list[int] | None = None
+    usage_context: UsageContext = Field(default="LLM_CLASS", description="who builds the engine (vLLM's name): "
+                                        "selects the backend's default scheduler limits; `polyrunner serve` "
+                                        "passes OPENAI_API_SERVER")
 
 
 class SpeculativeConfig(_Strict):

@@ -47,7 +47,10 @@ class LLM:
     `logprobs` / `prompt_logprobs` (-1: the whole vocabulary); `logprobs_mode` is
     what the sampled logprobs hold ("raw_logprobs", "raw_logits",
     "processed_logprobs", "processed_logits"); `scheduling_policy` "fcfs" or
-    "priority" (with `generate(..., priority=[...])`); `long_prefill_token_threshold`
+    "priority" (with `generate(..., priority=[...])`); `max_num_seqs` and
+    `max_num_batched_tokens` left None take the backend's defaults (vLLM's, by device:
+    on CUDA 1024 and 16384 with >= 70 GiB of memory, else 256 and 8192; elsewhere 64
+    and 2048; `Backend.default_limits`); `long_prefill_token_threshold`
     caps the tokens a prefill computes in one step (0: no cap); `async_scheduling`
     schedules and prepares the next step while the device runs this one (None: when
     the backend's `Capabilities.async_scheduling` allows it); `tensor_parallel_size`
@@ -59,16 +62,18 @@ class LLM:
     `trust_remote_code` is accepted (True logs that it is not needed: no model code
     is run); vLLM's arguments that make no difference here (`tokenizer_mode`,
     `revision`, `swap_space`, ...) are accepted with the values polyrunner honours
-    (see `polyrunner.llm_args`); `strict_no_recompile`, `token_buckets`,
-    `request_buckets` go to `RunnerConfig`; any other keyword is a TypeError.
+    (see `polyrunner.llm_args`); `cudagraph_mode` (vLLM's names: "FULL",
+    "FULL_DECODE_ONLY", "NONE"), `strict_no_recompile`, `token_buckets`,
+    `request_buckets`, `usage_context` ("LLM_CLASS", or "OPENAI_API_SERVER" as
+    `polyrunner serve` passes) go to `RunnerConfig`; any other keyword is a TypeError.
     """
 
     def __init__(self, model: str | None = None, backend: str | None = None, *,
                  dtype: str = default_of(ModelConfig, "dtype"),
                  quantization: str | None = None,
                  max_model_len: int | None = None,
-                 max_num_seqs: int = default_of(SchedulerConfig, "max_num_seqs"),
-                 max_num_batched_tokens: int = default_of(SchedulerConfig, "max_num_batched_tokens"),
+                 max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None,
                  block_size: int = default_of(CacheConfig, "block_size"),
                  kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = default_of(CacheConfig, "memory_utilization"),
@@ -81,16 +86,20 @@ class LLM:
                  max_logprobs: int = default_of(ModelConfig, "max_logprobs"),
                  logprobs_mode: str = default_of(ModelConfig, "logprobs_mode"),
                  enforce_eager: bool = default_of(RunnerConfig, "enforce_eager"),
+                 cudagraph_mode: str | None = default_of(RunnerConfig, "cudagraph_mode"),
                  seed: int = default_of(ModelConfig, "seed"),
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  tensor_parallel_size: int = default_of(ParallelConfig, "tensor_parallel_size"),
                  speculative_config: dict | SpeculativeConfig | None = None,
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
         note_trust_remote_code(trust_remote_code)
-        runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager"}
+        runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager", "cudagraph_mode"}
         runner_options = {k: v for k, v in kwargs.items() if k in runner_fields}
         check_no_effect_args({k: v for k, v in kwargs.items() if k not in runner_fields},
                              [*inspect.signature(LLM.__init__).parameters, *runner_fields])
+        # unset limits stay unset: the backend's defaults fill them (`Backend.default_limits`)
+        limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
+                                    ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                               seed=seed, tokenizer=tokenizer, max_logprobs=max_logprobs,
@@ -99,11 +108,11 @@ class LLM:
                               memory_utilization=gpu_memory_utilization,
                               num_blocks_override=num_gpu_blocks_override,
                               enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill,
+            scheduler=SchedulerConfig(**limits, enable_chunked_prefill=enable_chunked_prefill,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       policy=scheduling_policy, async_scheduling=async_scheduling),
-            runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, **runner_options),
+            runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
+                                **runner_options),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             speculative=speculative_config)
         self.engine = LLMEngine(config)

@@ -35,6 +35,8 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   backend's RMSNorm: keeps `weight`, `eps` and the replaced module);
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `graph_token_sizes`, `GraphBucketPolicy`,
+  `FullGraphBucketPolicy`, the graph modes `FULL`, `FULL_DECODE_ONLY`, `NONE` (vLLM's `cudagraph_mode`
+  names) with `requested_graph_mode` and `resolve_graph_mode`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
 - sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
   rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
@@ -44,7 +46,8 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
 - environment variables: `declare` (a plugin's own `POLYRUNNER_<NAME>_*` variables:
   name, type, default, meaning; listed by `python -m polyrunner.tools.env_table`) and
   `cache_root` (the folder for a plugin's compiled artefacts);
-- `EngineConfig`: the configuration the hooks and `Backend` methods receive, and
+- `EngineConfig`: the configuration the hooks and `Backend` methods receive
+  (`UsageContext`: who builds the engine, `Backend.default_limits`'s argument), and
   `resolved_max_model_len(config)` (the engine's max_model_len before the model is
   loaded: the option, else the model's max_position_embeddings);
   `StepInputs`: a step's padded host arrays (`Backend.host_attention_extras`).
@@ -56,7 +59,7 @@ from polyrunner.attention.batched import STATIC_DECODE, attend_cached, sdpa_page
 from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT, AttentionMetadata, LayerSpec
 from polyrunner.attention.reference import causal_mask, reference_paged_attention, write_kv
 from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
-from polyrunner.config import EngineConfig
+from polyrunner.config import EngineConfig, UsageContext
 from polyrunner.device.backend import (
     SAMPLING_FEATURES,
     Availability,
@@ -68,6 +71,10 @@ from polyrunner.device.backend import (
 )
 from polyrunner.device.buckets import BucketPolicy, capture_sizes, exponential_sizes, gap_incremental_sizes
 from polyrunner.device.graphs import (
+    FULL,
+    FULL_DECODE_ONLY,
+    NONE,
+    FullGraphBucketPolicy,
     GraphAPI,
     GraphBucketPolicy,
     StaticGraphExecutor,
@@ -77,6 +84,8 @@ from polyrunner.device.graphs import (
     graph_token_sizes,
     pinned_upload,
     profiled_kv_budget,
+    requested_graph_mode,
+    resolve_graph_mode,
     worst_case_profile,
 )
 from polyrunner.device.kv_spec import KVCacheSpec
@@ -114,7 +123,7 @@ __all__ = [
     "hookimpl", "register", "PLUGIN_API_VERSION", "PluginVersionError",
     # the backend contract
     "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
-    "HostFuture", "EngineConfig", "resolved_max_model_len", "StepInputs",
+    "HostFuture", "EngineConfig", "UsageContext", "resolved_max_model_len", "StepInputs",
     # padding buckets
     "BucketPolicy", "GraphBucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache
@@ -132,6 +141,7 @@ __all__ = [
     "declare", "cache_root",
     # stream graphs (CUDA-like device modules)
     "GraphAPI", "TorchGraphAPI", "StaticGraphExecutor", "graph_bucket_policy", "graph_token_sizes",
+    "FullGraphBucketPolicy", "FULL", "FULL_DECODE_ONLY", "NONE", "requested_graph_mode", "resolve_graph_mode",
     "profiled_kv_budget",
     "pinned_upload", "async_to_host", "worst_case_profile",
 ]

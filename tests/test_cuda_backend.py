@@ -336,13 +336,15 @@ def test_simulated_graphs_chunked_prefill(sim_backend, tiny_llama):
     assert got == expected
 
 
-def test_capture_failure_falls_back_to_eager(sim_backend, tiny_llama, caplog):
-    expected = _expected(tiny_llama)
-    with caplog.at_level(logging.WARNING):
-        llm, got = _generate(tiny_llama, "cpu-simgraph-fail")
-    ex = llm.engine.runner.executor
-    assert got == expected and ex.num_graphs() == 0
-    assert "capture failed" in ex.disabled_reason and "capture failed" in caplog.text
+def test_capture_failure_is_an_error_unless_eager(sim_backend, tiny_llama):
+    with pytest.raises(RuntimeError) as err:
+        _generate(tiny_llama, "cpu-simgraph-fail")
+    msg = str(err.value)
+    assert "capturing the decode graph for 8 tokens (8 requests) failed" in msg   # what, at which size
+    assert "operation not permitted" in msg                                         # the device's reason
+    assert "enforce_eager=True" in msg and 'cudagraph_mode="NONE"' in msg and "gpu_memory_utilization" in msg
+    llm, got = _generate(tiny_llama, "cpu-simgraph-fail", enforce_eager=True)     # no capture, no error
+    assert got == _expected(tiny_llama) and llm.engine.runner.executor.num_graphs() == 0
 
 
 def test_batch_above_largest_graph_runs_eager(sim_backend, tiny_llama, caplog):
@@ -389,7 +391,7 @@ def _check_every_bucket(llm, atol):
     W = ex._width
     for B in sorted(ex.graphs):
         inputs = _random_decode_inputs(runner, B, W, seed=B * 100 + W)
-        assert ex._dispatch(inputs) == B
+        assert ex._dispatch(inputs) == ("decode", B)
         with torch.inference_mode():
             eager = ex.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches).clone()
             graph = ex.run(inputs).clone()
@@ -454,11 +456,14 @@ def test_cuda_graphs_match_eager_and_cpu(tiny_llama):
     _, eager = _generate(tiny_llama, "cuda", enforce_eager=True)
     llm, graphs = _generate(tiny_llama, "cuda")
     ex = llm.engine.runner.executor
-    assert ex.num_graphs() == 4 and ex.disabled_reason is None
+    n = ex.num_graphs()
+    assert sorted(ex.graphs) == [1, 2, 4, 8] and ex.mode == "FULL" and ex.fallback_reason is None
+    assert sorted(ex.mixed_graphs) == [2, 4] + list(range(8, 129, 8)) and n == 4 + 18
     assert graphs == eager
     assert sum(a == b for a, b in zip(graphs, cpu)) >= len(cpu) - 1  # fp32 kernels may flip a rare tie
+    assert ex.counters()["mixed_replays"] > 0
     llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 5, use_tqdm=False)
-    assert ex.num_graphs() == 4  # no capture after warm-up
+    assert ex.num_graphs() == n  # no capture after warm-up
     _check_every_bucket(llm, 1e-3)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,8 +63,8 @@ def _inputs(reqs, R_pad=None, T_pad=None):
 def test_dispatch_by_batch_size_and_counted_reasons():
     ex = _executor(length_adaptive=True, width=8)  # the whole 8-block table: 128 tokens
     ex._kv = []
-    assert ex._dispatch(_inputs([(5, 1), (100, 1), (0, 1)], R_pad=4, T_pad=4)) == 4  # any lengths, one key
-    assert ex._dispatch(_inputs([(5, 1), (17, 1)])) == 2
+    assert ex._dispatch(_inputs([(5, 1), (100, 1), (0, 1)], R_pad=4, T_pad=4)) == ("decode", 4)  # any lengths, one key
+    assert ex._dispatch(_inputs([(5, 1), (17, 1)])) == ("decode", 2)
     assert ex._dispatch(_inputs([(5, 1), (0, 9)])) is None                            # mixed
     assert ex._dispatch(_inputs([(1, 1)] * 3)) is None                                # 3: no graph
     assert ex._dispatch(_inputs([(1, 1)] * 9)) is None                                # above 8
@@ -72,7 +73,7 @@ def test_dispatch_by_batch_size_and_counted_reasons():
     assert ex.eager_steps["no_graphs"] == 0
     narrow = _executor(length_adaptive=False, width=2)  # fallback: 32 tokens per request in a graph
     narrow._kv = []
-    assert narrow._dispatch(_inputs([(5, 1), (30, 1)])) == 2
+    assert narrow._dispatch(_inputs([(5, 1), (30, 1)])) == ("decode", 2)
     assert narrow._dispatch(_inputs([(5, 1), (40, 1)])) is None
     assert narrow.counters()["eager"] == {"long_context": 1}
     empty = _executor(length_adaptive=True, width=8, sizes=())
@@ -181,6 +182,143 @@ def test_triton_attention_graphs_one_key_per_batch_size(tiny_llama):
     assert outs["cpu-simgraph-triton"] == outs["cpu"]
     assert sorted(ex.graphs) == [1, 2] and ex._width == 4  # the whole block table, one graph per size
     assert ex.counters()["replays"] >= 2
+
+
+# ---- FULL mode: mixed prefill + decode steps in (simulated) graphs, Triton under the interpreter ---------
+@pytest.fixture(scope="module")
+def triton_full(tiny_llama):
+    """An engine on the CPU with the CUDA plugin's FULL-mode executor and Triton attention
+    (interpreter), simulated graphs: max_num_seqs 4, 16 tokens a step (mixed graphs 2, 4, 8, 16)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case is for CPU-only machines")
+    os.environ["TRITON_INTERPRET"] = "1"
+    from polyrunner.backends.cuda.triton_attention import triton_paged_attention
+
+    class TritonFullSimBackend(SimGraphBackend):
+        name = "cpu-simgraph-triton-full"
+        attention = staticmethod(triton_paged_attention)
+        executor_kwargs = dict(length_adaptive=True, mode="FULL")
+
+        def bucket_policy(self):
+            return graph_bucket_policy(self.config, mode=self.executor.mode)
+
+    class _Plugin:
+        PLUGIN_API_VERSION = "1.0"
+        @staticmethod
+        @hookimpl
+        def polyrunner_backends():
+            return [TritonFullSimBackend]
+
+    from polyrunner import LLM
+    register(_Plugin, name="test-triton-full")
+    kw = dict(dtype="float32", max_num_seqs=4, block_size=16, max_num_batched_tokens=16, max_model_len=64,
+              kv_cache_memory_bytes=1 << 20)
+    try:
+        yield LLM(str(tiny_llama), backend="cpu-simgraph-triton-full", **kw), LLM(str(tiny_llama), backend="cpu", **kw)
+    finally:
+        unregister("test-triton-full")
+
+
+def _mixed_step(runner, reqs, seed):
+    """A step of requests `(context, new tokens)` (decodes first) on distinct random
+    blocks, padded as the runner pads it; random KV contents. -> (inputs, T, slots written)."""
+    from polyrunner.attention.metadata import NULL_BLOCK, NULL_SLOT
+    from polyrunner.runner.inputs import StepInputs
+    rng = np.random.default_rng(seed)
+    bs, W = runner.block_size, runner.max_blocks_per_req
+    R, T = len(reqs), sum(n for _, n in reqs)
+    T_pad, R_pad = runner.buckets.pad(T, R)
+    perm = rng.permutation(np.arange(1, runner.num_blocks))
+    tables = np.full((R_pad, W), NULL_BLOCK, np.int32)
+    ctx = np.array([c for c, _ in reqs]), np.array([n for _, n in reqs])
+    for r, (c, n) in enumerate(reqs):
+        nb = -(-(c + n) // bs)
+        tables[r, :nb] = perm[r * W: r * W + nb]
+    req = np.repeat(np.arange(R), ctx[1])
+    pos = ctx[0][req] + (np.arange(T) - np.repeat(np.cumsum(ctx[1]) - ctx[1], ctx[1]))
+    slots = tables[req, pos // bs].astype(np.int64) * bs + pos % bs
+    qsl = np.full(R_pad + 1, T, np.int32)
+    qsl[0], qsl[1:R + 1] = 0, np.cumsum(ctx[1])
+    pad_t = lambda a, fill: np.concatenate([a, np.full(T_pad - T, fill, a.dtype)])  # noqa: E731
+    seq_lens = np.zeros(R_pad, np.int32)
+    seq_lens[:R] = ctx[0] + ctx[1]
+    step = StepInputs(
+        num_tokens=T, num_reqs=R, num_decodes=int(np.argmax(ctx[1] != 1)), max_query_len=int(ctx[1].max()),
+        max_seq_len=int(seq_lens.max()), input_ids=pad_t(rng.integers(3, 250, T).astype(np.int64), 0),
+        positions=pad_t(pos.astype(np.int64), 0), slot_mapping=pad_t(slots, NULL_SLOT),
+        token_to_req=pad_t(req.astype(np.int32), 0), query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
+        logits_indices=np.zeros(R_pad, np.int64), discard=np.zeros(R, bool))
+    gen = torch.Generator().manual_seed(seed)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    return runner._to_device(step), T, slots
+
+
+def test_mixed_batch_in_a_full_graph_equals_eager(triton_full):
+    """Prefill chunks, decodes and a chunked prefill with context replay mixed graph 16
+    (4 requests, one of them padded) and give eager's hidden states; padded requests and
+    tokens write nothing but the null block."""
+    llm, _ = triton_full
+    runner = llm.engine.runner
+    ex = runner.executor
+    assert ex.mode == "FULL" and sorted(ex.mixed_graphs) == [2, 4, 8, 16] and sorted(ex.graphs) == [1, 2, 4]
+    assert {t: g.reqs for t, g in ex.mixed_graphs.items()} == {2: 2, 4: 4, 8: 4, 16: 4}
+    reqs = [(20, 1), (0, 6), (17, 4)]   # a decode, a fresh prefill chunk, a chunk after 17 cached tokens
+    inputs, T, slots = _mixed_step(runner, reqs, seed=3)
+    assert inputs.input_ids.shape[0] == 16 and inputs.attn.num_padded_reqs == 4 and T == 11
+    before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        replays = ex.counters()["mixed_replays"]
+        graph = ex.run(inputs).clone()
+        assert ex.counters()["mixed_replays"] == replays + 1
+        written = [c.clone() for c in runner.kv_caches]
+        eager = ex.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches).clone()
+    torch.testing.assert_close(graph[:T], eager[:T], rtol=1e-4, atol=1e-4)
+    bs = runner.block_size
+    for old, new in zip(before, written):   # [2, blocks, bs, Hkv, D]
+        flat_old, flat_new = old.flatten(1, 2), new.flatten(1, 2)
+        changed = (flat_old != flat_new).any(-1).any(-1).any(0).nonzero().flatten().tolist()
+        assert set(changed) <= set(slots.tolist()) | set(range(bs)), "a padded row wrote outside the null block"
+        assert set(slots.tolist()) <= set(changed)
+
+
+def test_full_mode_generation_matches_cpu_and_replays_mixed_graphs(triton_full):
+    """Chunked prefill under a 16-token budget: most steps are mixed; every one of them
+    replays a mixed graph, padded as its graph expects (padded requests inert), and the
+    tokens equal the CPU backend's."""
+    from polyrunner import SamplingParams
+    llm, cpu = triton_full
+    ex = llm.engine.runner.executor
+    seen = []
+    run = ex.run
+
+    def spy(inputs):
+        m = inputs.attn
+        if m.max_query_len > 1:
+            seen.append((inputs.input_ids.shape[0], m.num_padded_reqs, m.num_actual_tokens, m.num_reqs,
+                         m.query_start_loc.tolist(), m.seq_lens.tolist(), m.slot_mapping.tolist()))
+        return run(inputs)
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9] * 5, [11, 12, 13], list(range(30, 52)), [40] * 9)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    before = dict(ex.counters())
+    ex.run = spy
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del ex.run
+    expected = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    counts = ex.counters()
+    assert counts["mixed_replays"] - before["mixed_replays"] == len(seen) > 0
+    assert counts["eager"].get("mixed", 0) == before["eager"].get("mixed", 0)
+    for T_pad, R_pad, T, R, qsl, seq_lens, slot_mapping in seen:
+        assert T_pad in (2, 4, 8, 16) and R_pad == min(T_pad, 4)
+        assert qsl[R + 1:] == [T] * (R_pad - R) and seq_lens[R:] == [0] * (R_pad - R)   # query length 0
+        assert slot_mapping[T:] == [0] * (T_pad - T)                                    # the null slot
+    assert ex.num_graphs() == 7   # nothing captured while serving
 
 
 # ---- the CUDA plugin's attention choice ------------------------------------------------------

@@ -4,16 +4,23 @@ Nothing here touches CUDA at import time: `probe()` asks
 `torch.cuda.is_available()` and reports why not (a CPU-only PyTorch build,
 no visible device) instead of failing.
 
-- Buckets (`graph_bucket_policy`): vLLM's capture sizes (1, 2, 4, 8, 16, ...,
-  up to min(2 * max_num_seqs, 512)) that a decode batch can use, on both axes;
-  larger batches are not padded and run eagerly. `runner.enforce_eager` turns
-  padding and graphs off.
-- Graphs (`StaticGraphExecutor`, FULL_DECODE_ONLY): one full-model CUDA graph
-  per padded decode batch size, captured largest first into one shared pool;
-  prefill/mixed steps run eagerly; replays and eager steps by reason are
-  counted (`executor.counters()`). With Triton the attention reads the lengths
-  on the device, so one graph serves every context length; without it the
-  graphs read up to `max_seq_len_to_capture` (8192) tokens per request.
+- Graph mode (`runner.cudagraph_mode`, vLLM's names): FULL by default when the
+  attention is Triton's (length-adaptive), else FULL_DECODE_ONLY; NONE (or
+  `enforce_eager`) turns padding and graphs off. FULL asked for without Triton
+  falls back to FULL_DECODE_ONLY with a warning.
+- Buckets (`graph_bucket_policy`): vLLM's capture sizes (1, 2, 4, 8, 16, ...).
+  Decode steps pad to the decode sizes (up to max_num_seqs, plus the one above);
+  under FULL a mixed step pads its tokens to the next size up to
+  min(max_num_batched_tokens, 512) and its requests to that graph's
+  min(T, max_num_seqs); larger steps are not padded and run eagerly.
+- Graphs (`StaticGraphExecutor`): one full-model CUDA graph per padded decode
+  batch size and, under FULL, per mixed token count, captured largest first
+  into one shared pool; replays (decode and mixed) and eager steps by reason
+  are counted (`executor.counters()`); a failed capture is an error (run with
+  enforce_eager=True or cudagraph_mode="NONE"). With Triton the attention
+  reads the lengths on the device, so one graph serves every context length
+  and every mix of prefills and decodes; without it the decode graphs read up
+  to `max_seq_len_to_capture` (8192) tokens per request.
 - KV budget: reset peak statistics, profile the worst steps (largest batch,
   longest prefill, sampler at max_num_seqs), reserve the estimated graph pool,
   then total * memory_utilization - (peak incl. weights + non-torch memory +
@@ -41,9 +48,12 @@ import numpy as np
 import torch
 
 from polyrunner.backends.cuda import envs
+from polyrunner.backends.cuda.defaults import cuda_default_limits
 from polyrunner.backends.cuda.op_overrides import cuda_op_overrides
 from polyrunner.backends.diagnose import check_pinned, cuda_torch_fix, find_compiler
 from polyrunner.plugin_api import (
+    FULL,
+    FULL_DECODE_ONLY,
     AttentionMetadata,
     Availability,
     Backend,
@@ -55,11 +65,14 @@ from polyrunner.plugin_api import (
     LayerSpec,
     StaticGraphExecutor,
     TorchGraphAPI,
+    UsageContext,
     async_to_host,
     graph_bucket_policy,
     hookimpl,
     pinned_upload,
     profiled_kv_budget,
+    requested_graph_mode,
+    resolve_graph_mode,
     sdpa_paged_attention,
     worst_case_profile,
 )
@@ -157,6 +170,10 @@ class CUDABackend(Backend):
         return self._device
 
     @classmethod
+    def default_limits(cls, usage: UsageContext) -> dict[str, int]:
+        return cuda_default_limits(usage)   # vLLM's, by the device's memory (backends/cuda/defaults.py)
+
+    @classmethod
     def device_count(cls) -> int:
         return torch.cuda.device_count() if cuda_unavailable_reason() is None else 0
 
@@ -175,7 +192,12 @@ class CUDABackend(Backend):
 
     # ---- padding, KV, attention, graphs ------------------------------------
     def bucket_policy(self) -> BucketPolicy:
-        return graph_bucket_policy(self.config)
+        """Padding for the executor's graph mode (before it exists: the mode it will run)."""
+        ex = self.executor
+        mode = ex.mode if isinstance(ex, StaticGraphExecutor) else resolve_graph_mode(
+            requested_graph_mode(self.config, FULL if self.length_adaptive else FULL_DECODE_ONLY),
+            self.length_adaptive)[0]
+        return graph_bucket_policy(self.config, mode=mode)
 
     def kv_cache_budget(self, weights_bytes: int, profile) -> int:
         """The worst steps' peak plus the graph pool's estimate stay free of KV."""
@@ -191,9 +213,10 @@ class CUDABackend(Backend):
 
     def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         config = self.config
+        mode = requested_graph_mode(config, FULL if self.length_adaptive else FULL_DECODE_ONLY)
         return StaticGraphExecutor(
             model, TorchGraphAPI(torch.cuda, "CUDAGraph", "cuda graphs"), max_num_seqs=config.scheduler.max_num_seqs,
-            enforce_eager=config.runner.enforce_eager, length_adaptive=self.length_adaptive)
+            mode=mode, length_adaptive=self.length_adaptive)
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,9 @@ it. Either way a failing import or a missing device is reported as the
 reason, never raised.
 
 - Buckets and graphs: the CUDA plugin's capture sizes and static-buffer
-  executor over `torch.npu.NPUGraph` (ACL graph mode, full-model decode-only
-  graphs keyed by batch size, captured largest first in one pool; the static
+  executor over `torch.npu.NPUGraph` (ACL graph mode, FULL_DECODE_ONLY: full-model
+  decode graphs keyed by batch size; cudagraph_mode FULL falls back to it, as the
+  attention is not length-adaptive; captured largest first in one pool; the static
   decode reads up to `max_seq_len_to_capture` tokens per request, longer
   contexts run eagerly). Inside graphs attention is the
   static SDPA decode (pure tensor ops); eager steps use torch_npu's
@@ -33,6 +34,7 @@ import torch
 from polyrunner.backends.diagnose import Runtime, check_library
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
 from polyrunner.plugin_api import (
+    FULL_DECODE_ONLY,
     STATIC_DECODE,
     AttentionMetadata,
     Availability,
@@ -52,6 +54,7 @@ from polyrunner.plugin_api import (
     hookimpl,
     pinned_upload,
     profiled_kv_budget,
+    requested_graph_mode,
     sdpa_paged_attention,
     worst_case_profile,
 )
@@ -199,7 +202,7 @@ class NPUBackend(Backend):
     def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         config = self.config
         return StaticGraphExecutor(model, ACLGraphAPI(), max_num_seqs=config.scheduler.max_num_seqs,
-                                   enforce_eager=config.runner.enforce_eager)
+                                   mode=requested_graph_mode(config, FULL_DECODE_ONLY))
 
     # ---- host <-> device ---------------------------------------------------
     def to_device(self, array: np.ndarray | torch.Tensor) -> torch.Tensor:

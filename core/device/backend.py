@@ -11,8 +11,9 @@ Two lifetimes, like ggml-backend's registry and backend:
 
 - the class, before any engine exists, stateless: `name`, `priority`,
   `capabilities`, `probe()`, `device_count()` (discovery, `polyrunner
-  backends`, `LLM(backend=...)`) and `adjust_config(config)` (this backend's
-  changes to the validated config, before anything is built from it);
+  backends`, `LLM(backend=...)`), `default_limits(usage)` (defaults of the
+  scheduler limits the user left unset) and `adjust_config(config)` (this
+  backend's changes to the validated config, before anything is built from it);
 - the instance, one per engine (and per tensor-parallel rank), made as
   `cls(config)` from the adjusted config and owning everything the engine's
   device work keeps: its executor (`self.executor`, set by the core from
@@ -20,7 +21,7 @@ Two lifetimes, like ggml-backend's registry and backend:
   behind, except what the contract names: `self.config`, `self.executor`, and
   what `init_rank` changed for `leave_rank`.
 
-Engine start-up calls, in this order: `adjust_config`, `cls(config)`,
+Engine start-up calls, in this order: `default_limits`, `adjust_config`, `cls(config)`,
 `init_rank` (tensor parallelism), `resolve_dtype` (dtype "auto" only) and `check_dtype`; `device`
 (the model is loaded there); `op_overrides` (its factories replace the model's
 modules); `make_executor`; `bucket_policy` (after the executor: a policy may
@@ -49,7 +50,7 @@ from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.sample import Sampler, SamplerOutput, SamplingMetadata
 
 if TYPE_CHECKING:
-    from polyrunner.config import EngineConfig
+    from polyrunner.config import EngineConfig, UsageContext
     from polyrunner.runner.inputs import StepInputs
 
 _SAMPLER = Sampler()
@@ -141,7 +142,8 @@ class GraphExecutor:
         num_reqs)`, which pads a dummy batch to that bucket (its tokens write only
         the null block) and calls `self.run` on it. After `prepare`, serving must
         not compile or capture anything new (the conformance suite checks
-        `num_graphs`). A failed capture must fall back to eager with a warning."""
+        `num_graphs`). A failed capture raises RuntimeError saying what failed, at
+        which size, and how to run without graphs (as vLLM does: no silent eager)."""
         return None
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
@@ -252,6 +254,16 @@ class Backend:
         Adjust the validated `config` in place for this backend (e.g. force the block size its
         kernel needs, cap max_num_seqs at what a kernel takes); raise ValueError to refuse a
         configuration it cannot run. Default: nothing."""
+
+    @classmethod
+    def default_limits(cls, usage: "UsageContext") -> dict[str, int]:
+        """OPTIONAL; once per engine, on the class, before `adjust_config`. This device's
+        defaults for "max_num_seqs" and "max_num_batched_tokens" (either or both) when the
+        engine is built by `usage` ("LLM_CLASS" or "OPENAI_API_SERVER", vLLM's
+        `UsageContext`). The core uses them only for limits the user left unset (then clamps
+        them as vLLM does, `polyrunner.default_limits`). Default: {} (`SchedulerConfig`'s
+        own, 64 and 2048)."""
+        return {}
 
     # ---- the engine's device (instance) ----------------------------------
     @property
@@ -399,7 +411,8 @@ class Backend:
         return t.to(self.device, non_blocking=True)
 
     def to_host_async(self, tensor: torch.Tensor) -> HostFuture:
-        """OPTIONAL; each step, for the sampled tokens. Start the copy to the host;
+        """OPTIONAL; each step, for the sampled tokens (and each tensor of the step's logprobs and
+        prompt logprobs, `LogprobsTensors.to_host_async`). Start the copy to the host;
         `result()` of the returned future waits for it. With asynchronous
         scheduling the core calls `result()` one step later, after it queued the
         next step's work (which reads `tensor` on the device): the copy must not

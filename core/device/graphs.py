@@ -3,18 +3,22 @@ API (graphs, memory pools, events, streams, memory statistics): the CUDA and
 Ascend backends pass their device module or a small `GraphAPI`; nothing here
 imports a device library.
 
-- `graph_bucket_policy`: vLLM's capture sizes (`cudagraph_capture_sizes`: 1,
-  2, 4, multiples of 8, then of 16 from 256, up to min(2 * max_num_seqs, 512)
-  and max_num_batched_tokens), kept to those a decode-only batch can use
-  (`decode_capture_sizes`: up to max_num_seqs, plus the one size above it), on
-  both axes; a batch above the largest size runs unpadded (eager).
-- `StaticGraphExecutor`: vLLM's FULL_DECODE_ONLY mode. Full-model graphs of
-  uniform-decode steps keyed by the padded batch size alone, captured largest
-  first into one shared pool, replayed after copying the step's inputs into
-  static buffers; mixed and prefill steps run eagerly. Counters of replays and
-  of eager steps by reason (`counters()`). With a length-adaptive attention
+- Modes and padding (`graph_buckets.py`, vLLM's `CUDAGraphMode` names):
+  FULL_DECODE_ONLY, FULL, NONE; `graph_bucket_policy` pads to vLLM's capture
+  sizes (`cudagraph_capture_sizes`), decode steps to the decode sizes (up to
+  max_num_seqs, plus the one size above it) and, under FULL, mixed steps' tokens
+  to the mixed sizes (up to min(max_num_batched_tokens, 512)) and their requests
+  to that graph's R; a batch above the largest size runs unpadded (eager).
+- `StaticGraphExecutor`: full-model graphs over static buffers
+  (`graph_static.py`), captured largest first into one shared pool, replayed
+  after copying the step's inputs in. FULL_DECODE_ONLY: decode graphs keyed by
+  the padded batch size; FULL: also mixed graphs keyed by the padded token count
+  (needs a length-adaptive attention, else it falls back to FULL_DECODE_ONLY).
+  Fallback order FULL -> FULL_DECODE_ONLY -> eager per step, counted by reason
+  (`counters()`). A failed capture is a RuntimeError (run with enforce_eager /
+  cudagraph_mode="NONE" to have no graphs). With a length-adaptive attention
   (it reads `seq_lens` on the device, e.g. the Triton kernel) one graph serves
-  every context length; otherwise the captured decode reads a fixed width, the
+  every context length; otherwise a decode graph reads a fixed width, the
   block-table width capped at `max_seq_len_to_capture`, and longer contexts run
   eagerly.
 - `profiled_kv_budget`, `async_to_host`, `pinned_upload`: memory profiling and
@@ -26,7 +30,6 @@ imports a device library.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import gc
 import inspect
@@ -38,63 +41,42 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from polyrunner.attention.batched import STATIC_DECODE
-from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
-from polyrunner.device.buckets import BucketPolicy, cudagraph_capture_sizes, decode_capture_sizes
+from polyrunner.device.buckets import BucketPolicy
+from polyrunner.device.graph_buckets import (
+    FULL,
+    FULL_DECODE_ONLY,
+    GRAPH_MODES,
+    MAX_CAPTURE_SIZE,
+    NONE,
+    FullGraphBucketPolicy,
+    GraphBucketPolicy,
+    graph_bucket_policy,
+    graph_token_sizes,
+    mixed_token_sizes,
+    requested_graph_mode,
+    resolve_graph_mode,
+)
+from polyrunner.device.graph_static import StaticBuffers
 from polyrunner.device.staging import PinnedStaging
 from polyrunner.numeric import cdiv
 
 if TYPE_CHECKING:
     from polyrunner.config import EngineConfig
 
+__all__ = [
+    "EAGER_REASONS", "FULL", "FULL_DECODE_ONLY", "GRAPH_MODES", "MAX_CAPTURE_SIZE", "NONE", "FullGraphBucketPolicy",
+    "GraphAPI", "GraphBucketPolicy", "StaticGraphExecutor", "TorchGraphAPI", "async_to_host", "graph_bucket_policy",
+    "graph_token_sizes", "mixed_token_sizes", "pinned_upload", "profiled_kv_budget", "requested_graph_mode",
+    "resolve_graph_mode", "worst_case_profile",
+]
+
 logger = logging.getLogger(__name__)
-MAX_CAPTURE_SIZE = 512
 
 # Why a step ran eagerly (keys of `StaticGraphExecutor.counters()["eager"]`).
 EAGER_REASONS = ("no_graphs", "mixed", "too_large", "not_captured", "long_context", "shape", "kv_caches")
-
-
-# ---- buckets ---------------------------------------------------------------
-@dataclass(frozen=True)
-class GraphBucketPolicy(BucketPolicy):
-    """Capture-size buckets; a batch above the largest bucket is not padded."""
-
-    def pad(self, num_tokens: int, num_reqs: int) -> tuple[int, int]:
-        return _up(self.token_buckets, num_tokens), _up(self.request_buckets, num_reqs)
-
-    def max_padding(self, n: int, axis: str = "tokens") -> int:
-        buckets = self.token_buckets if axis == "tokens" else self.request_buckets
-        if not buckets or n > buckets[-1]:
-            return 0
-        return super().max_padding(n, axis)
-
-
-def _up(buckets: list[int], n: int) -> int:
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else n
-
-
-def graph_token_sizes(config: EngineConfig) -> list[int]:
-    """The token counts decode graphs are captured for under `config` (`runner.token_buckets`, else
-    vLLM's decode capture sizes), whether or not enforce_eager turns graphs off."""
-    sched = config.scheduler
-    sizes = decode_capture_sizes(
-        cudagraph_capture_sizes(sched.max_num_seqs, sched.max_num_batched_tokens, MAX_CAPTURE_SIZE),
-        sched.max_num_seqs)
-    return sorted(set(config.runner.token_buckets or sizes))
-
-
-def graph_bucket_policy(config: EngineConfig, max_size: int | None = None) -> BucketPolicy:
-    """Decode capture sizes (or `runner.token_buckets`/`request_buckets`); none under enforce_eager.
-    `max_size`: the largest batch the backend's graphs can take (larger ones run unpadded)."""
-    if config.runner.enforce_eager:
-        return BucketPolicy()
-    tokens = [t for t in graph_token_sizes(config) if max_size is None or t <= max_size]
-    if not tokens:
-        return BucketPolicy()
-    reqs = sorted(set(config.runner.request_buckets or tokens))
-    return GraphBucketPolicy(tokens, reqs)
+DECODE, MIXED = "decode", "mixed"   # the two kinds of graph
+GraphKey = tuple[str, int]          # (kind, padded token count)
 
 
 # ---- graphs ----------------------------------------------------------------
@@ -145,71 +127,33 @@ class TorchGraphAPI(GraphAPI):
 
 
 @dataclass
-class _Static:
-    """Static input buffers sized for the largest graph; graph B reads `[:B]`."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    token_to_req: torch.Tensor
-
-    @classmethod
-    def like(cls, inputs: ModelInputs) -> "_Static":
-        m = inputs.attn
-        B = inputs.input_ids.shape[0]
-
-        def z(t: torch.Tensor, n: int = B) -> torch.Tensor:
-            return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-
-        return cls(z(inputs.input_ids), z(inputs.positions), z(m.slot_mapping), z(m.seq_lens),
-                   z(m.block_tables), z(m.query_start_loc, B + 1), z(m.token_to_req))
-
-    def load(self, inputs: ModelInputs, B: int, W: int) -> None:
-        """Copy a decode batch of B rows; its block table's first W columns (the rest stay 0)."""
-        m = inputs.attn
-        W = min(W, m.block_tables.shape[1])
-        self.input_ids[:B].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:B].copy_(inputs.positions, non_blocking=True)
-        self.slot_mapping[:B].copy_(m.slot_mapping, non_blocking=True)
-        self.seq_lens[:B].copy_(m.seq_lens, non_blocking=True)
-        self.block_tables[:B, :W].copy_(m.block_tables[:, :W], non_blocking=True)
-        self.query_start_loc[: B + 1].copy_(m.query_start_loc, non_blocking=True)
-        self.token_to_req[:B].copy_(m.token_to_req, non_blocking=True)
-
-    def meta(self, B: int, W: int, block_size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            num_actual_tokens=B, num_reqs=B, num_decodes=B, max_query_len=1,
-            max_seq_len=W * block_size, query_start_loc=self.query_start_loc[: B + 1],
-            seq_lens=self.seq_lens[:B], block_tables=self.block_tables[:B, :W],
-            slot_mapping=self.slot_mapping[:B], positions=self.positions[:B],
-            token_to_req=self.token_to_req[:B], extras={STATIC_DECODE: True})
-
-
-@dataclass
 class _Graph:
     replay: Callable[[], None]
     output: torch.Tensor
+    reqs: int = 0   # padded requests (a mixed graph's R)
 
 
 @dataclass
 class StaticGraphExecutor(GraphExecutor):
-    """FULL_DECODE_ONLY graphs over static buffers; eager otherwise.
+    """Full-model graphs over static buffers (`mode`, vLLM's names); eager otherwise.
 
-    `prepare` captures one graph per token bucket B (B requests of one token
-    each, B <= the largest decode size), largest first, all in one memory pool;
-    each capture follows `num_warmups` eager runs. `run` replays graph B when the
-    step is uniform decode, padded to a captured size, within the captured
-    context width, and on the KV caches the graphs were captured with; anything
-    else runs eagerly, counted by reason (`counters()`; logged once per reason).
-    A failed capture discards every graph and the executor stays eager, with a
-    warning saying why.
+    `prepare` captures, largest first and all in one memory pool, one decode
+    graph per decode bucket B (B requests of one token each) and, under FULL,
+    one mixed graph per mixed size T (T tokens, R = `mixed_reqs(T)` requests);
+    each capture follows `num_warmups` eager runs. `run` replays decode graph B
+    for a uniform-decode step padded to (B, B) within the captured context width,
+    and (FULL) mixed graph T for any other step padded to (T, R); both only on
+    the KV caches the graphs were captured with. Anything else runs eagerly,
+    counted by reason (`counters()`; logged once per reason). A failed capture
+    raises RuntimeError (what, at which size, how to avoid it).
+
+    `mode`: FULL_DECODE_ONLY (default), FULL (falls back to FULL_DECODE_ONLY,
+    with `fallback_reason` logged, unless `length_adaptive`) or NONE (no graphs;
+    so is `enforce_eager=True`).
 
     `length_adaptive`: the backend's attention reads the lengths on the device
     (its cost follows `seq_lens`), so a graph may read the whole block table:
-    one graph per batch size covers every context. Otherwise the graph's
+    one graph per batch size covers every context. Otherwise a decode graph's
     attention reads W = min(block-table width, max_seq_len_to_capture) blocks.
     """
 
@@ -220,53 +164,85 @@ class StaticGraphExecutor(GraphExecutor):
     num_warmups: int = 1
     length_adaptive: bool = False
     max_seq_len_to_capture: int = 8192
-    graphs: dict[int, _Graph] = field(default_factory=dict)
+    mode: str = FULL_DECODE_ONLY
+    graphs: dict[int, _Graph] = field(default_factory=dict)        # decode graphs by batch size
+    mixed_graphs: dict[int, _Graph] = field(default_factory=dict)  # mixed graphs by token count
     capture_seconds: float = 0.0
     capture_bytes: int = 0
     reserved_bytes: int = 0  # the pool estimate the KV budget left free (pool_reserve_bytes)
-    disabled_reason: str | None = None
+    fallback_reason: str | None = None   # why `mode` is not the mode asked for
     replays: int = 0
+    mixed_replays: int = 0
     eager_steps: Counter[str] = field(default_factory=Counter)
-    _static: _Static | None = None
+    _static: StaticBuffers | None = None
     _kv: list[torch.Tensor] | None = None
     _kv_ptrs: list[int] = field(default_factory=list)
     _width: int = 0          # blocks a graph's attention reads per request
     _block_size: int = 0
-    _capturing: int | None = None
+    _capturing: tuple[str, int, int] | None = None   # (kind, tokens, requests)
+    _static_shape: tuple[int, int] = (0, 0)          # the largest graph's (tokens, requests)
     _pool: Any = None
     _warned: set[str] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        asked = NONE if self.enforce_eager else self.mode
+        self.mode, self.fallback_reason = resolve_graph_mode(asked, self.length_adaptive)
+        self.enforce_eager = self.mode == NONE
+        if self.fallback_reason:
+            logger.warning("%s: %s", self.api.name, self.fallback_reason)
+
+    def capture_plan(self, buckets: BucketPolicy) -> list[tuple[str, int, int]]:
+        """(kind, tokens, requests) of every graph `prepare` captures, largest first:
+        decode graphs at the buckets that pad (B, B) to themselves, and under FULL
+        mixed graphs at the policy's mixed sizes (a `FullGraphBucketPolicy`)."""
+        if self.mode == NONE or self.enforce_eager:
+            return []
+        full = buckets if isinstance(buckets, FullGraphBucketPolicy) else None
+        decode = full.decode_sizes if full is not None else buckets.token_buckets
+        plan = [(DECODE, b, b) for b in decode if buckets.pad(b, b) == (b, b)]
+        if self.mode == FULL and full is not None:
+            plan += [(MIXED, t, full.mixed_reqs(t)) for t in full.mixed_sizes]
+        return sorted(plan, key=lambda p: (p[1], p[0] == MIXED), reverse=True)
+
     def prepare(self, run_dummy: Callable[[int, int], Any], buckets: BucketPolicy) -> None:
-        if self.enforce_eager:
-            logger.info("%s: enforce_eager is set; no graphs are captured", self.api.name)
+        if self.mode == NONE or self.enforce_eager:
+            logger.info("%s: enforce_eager / cudagraph_mode NONE: no graphs are captured", self.api.name)
             return
-        sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
-        if not sizes:
+        plan = self.capture_plan(buckets)
+        if not plan:
             return
-        logger.info("%s: capturing %d decode graphs (batch sizes %s)", self.api.name, len(sizes), sizes)
+        logger.info("%s: capturing %d graphs (%s; token counts %s)", self.api.name, len(plan), self.mode,
+                    sorted({t for _, t, _ in plan}))
         t0, free0 = time.perf_counter(), self.api.free_memory()
+        self._static_shape = (max(t for _, t, _ in plan), max(r for *_, r in plan))
         self._pool = self.api.pool()
         gc.freeze()   # the heap so far is long-lived: no collection rescans it during captures (vLLM does so too)
-        size = sizes[-1]
+        kind, T, R = plan[0]
         try:
-            for size in reversed(sizes):  # largest first: smaller graphs reuse its pool
-                self._capturing = size
-                run_dummy(size, size)
-        except Exception as exc:  # noqa: BLE001 - any capture failure means eager
-            self.disabled_reason = f"capture failed at batch size {size}: {self.api.explain(exc)}"
+            for kind, T, R in plan:  # largest first: smaller graphs reuse its pool
+                self._capturing = (kind, T, R)
+                run_dummy(T, R)
+        except Exception as exc:
             self.graphs.clear()
+            self.mixed_graphs.clear()
             self._static = self._pool = None
-            logger.warning("%s: %s; running every batch eagerly", self.api.name, self.disabled_reason)
+            raise RuntimeError(
+                f"{self.api.name}: capturing the {kind} graph for {T} tokens ({R} requests) failed: "
+                f"{self.api.explain(exc)}. To run without graphs pass enforce_eager=True (or "
+                f"cudagraph_mode=\"NONE\"); if the device ran out of memory, lower gpu_memory_utilization "
+                f"(or set cudagraph_mode=\"FULL_DECODE_ONLY\" to capture fewer graphs)") from exc
         finally:
             self._capturing = None
             gc.unfreeze()
             self.api.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = max(0, free0 - self.api.free_memory())
-        self.replays, self.eager_steps = 0, Counter()  # count serving steps only
-        logger.info("%s: captured %d decode graphs (batch sizes %s, context width %d tokens%s) in %.2fs using "
-                    "%.1f MiB (reserved %.1f MiB)", self.api.name, len(self.graphs), sorted(self.graphs),
-                    self._width * self._block_size, ", length-adaptive" if self.length_adaptive else "",
+        self.replays, self.mixed_replays, self.eager_steps = 0, 0, Counter()  # count serving steps only
+        logger.info("%s: %s: captured %d decode graphs (batch sizes %s) and %d mixed graphs (token counts %s), "
+                    "context width %d tokens%s, in %.2fs using %.1f MiB (reserved %.1f MiB)", self.api.name,
+                    self.mode, len(self.graphs), sorted(self.graphs), len(self.mixed_graphs),
+                    sorted(self.mixed_graphs), self._width * self._block_size,
+                    ", length-adaptive" if self.length_adaptive else "",
                     self.capture_seconds, self.capture_bytes / 2**20, self.reserved_bytes / 2**20)
         if self.reserved_bytes and self.capture_bytes > self.reserved_bytes:
             logger.warning("%s: the graph pool (%.1f MiB) outgrew its reserve (%.1f MiB); lower "
@@ -274,72 +250,101 @@ class StaticGraphExecutor(GraphExecutor):
                            self.capture_bytes / 2**20, self.reserved_bytes / 2**20)
 
     def num_graphs(self) -> int:
-        return len(self.graphs)
+        return len(self.graphs) + len(self.mixed_graphs)
 
     def counters(self) -> dict[str, Any]:
-        """{"replays": n, "eager": {reason: n}, "graphs": sizes}: steps since start-up (warm-up excluded)."""
-        return {"replays": self.replays, "eager": dict(self.eager_steps), "graphs": sorted(self.graphs)}
+        """Steps since start-up (warm-up excluded): {"mode", "replays" (every graph),
+        "mixed_replays", "eager": {reason: n}, "graphs": decode sizes, "mixed_graphs": token counts}."""
+        return {"mode": self.mode, "replays": self.replays, "mixed_replays": self.mixed_replays,
+                "eager": dict(self.eager_steps), "graphs": sorted(self.graphs),
+                "mixed_graphs": sorted(self.mixed_graphs)}
 
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         if self._capturing is not None:
-            return self._capture(inputs, self._capturing)
-        B = self._dispatch(inputs)
-        if B is None:
+            return self._capture(inputs, *self._capturing)
+        key = self._dispatch(inputs)
+        if key is None:
             hidden: torch.Tensor = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
             return hidden
         assert self._static is not None
-        self._static.load(inputs, B, self._width)
-        graph = self.graphs[B]
+        kind, T = key
+        graph = self.graphs[T] if kind == DECODE else self.mixed_graphs[T]
+        self._static.load(inputs, T, graph.reqs, self._width)
         graph.replay()
         self.replays += 1
+        self.mixed_replays += kind == MIXED
         return graph.output
 
-    def _capture(self, inputs: ModelInputs, B: int) -> torch.Tensor:
+    def _capture(self, inputs: ModelInputs, kind: str, T: int, R: int) -> torch.Tensor:
         m = inputs.attn
-        if inputs.input_ids.shape[0] != B or m.num_padded_reqs != B or m.max_query_len != 1:
-            raise RuntimeError(f"capture of size {B} got a batch of {inputs.input_ids.shape[0]} tokens, "
-                               f"{m.num_padded_reqs} requests, max_query_len {m.max_query_len}")
+        if (inputs.input_ids.shape[0] != T or m.num_padded_reqs != R
+                or (kind == DECODE and m.max_query_len != 1)):
+            raise RuntimeError(f"capture of the {kind} graph ({T} tokens, {R} requests) got a batch of "
+                               f"{inputs.input_ids.shape[0]} tokens, {m.num_padded_reqs} requests, "
+                               f"max_query_len {m.max_query_len}")
         if self._static is None:  # the first (largest) capture sizes the static buffers
-            self._static = _Static.like(inputs)
+            self._static = StaticBuffers.like(inputs, *self._static_shape)
             self._kv, self._kv_ptrs = inputs.kv_caches, [t.data_ptr() for t in inputs.kv_caches]
             self._block_size = bs = inputs.kv_caches[0].shape[2]
             table = m.block_tables.shape[1]
             self._width = table if self.length_adaptive else min(table, cdiv(self.max_seq_len_to_capture, bs))
         st, kv, W = self._static, self._kv, self._width
-        st.load(inputs, B, W)
-        meta = st.meta(B, W, self._block_size)
+        st.load(inputs, T, R, W)
+        meta = st.decode_meta(T, W, self._block_size) if kind == DECODE else st.mixed_meta(T, R, W, self._block_size)
 
         def forward() -> torch.Tensor:
-            hidden: torch.Tensor = self.model(st.input_ids[:B], st.positions[:B], meta, kv)
+            hidden: torch.Tensor = self.model(st.input_ids[:T], st.positions[:T], meta, kv)
             return hidden
 
         for _ in range(self.num_warmups):
             forward()
         self.api.synchronize()
         replay, out = self.api.capture(forward, self._pool)
-        self.graphs[B] = _Graph(replay, out)
+        (self.graphs if kind == DECODE else self.mixed_graphs)[T] = _Graph(replay, out, R)
         return out
 
-    def _dispatch(self, inputs: ModelInputs) -> int | None:
-        """The graph to replay for this step, or None (eager, counted by reason)."""
-        reason, message = self._eager_reason(inputs)
-        if reason is None:
-            return int(inputs.input_ids.shape[0])
+    def _dispatch(self, inputs: ModelInputs) -> GraphKey | None:
+        """The graph to replay for this step, (kind, padded tokens), or None (eager, counted by reason)."""
+        key, reason, message = self._choose(inputs)
+        if key is not None:
+            return key
         self.eager_steps[reason] += 1
         if reason not in self._warned and message:
             self._warned.add(reason)
             (logger.info if reason in ("mixed", "no_graphs") else logger.warning)("%s: %s", self.api.name, message)
         return None
 
-    def _eager_reason(self, inputs: ModelInputs) -> tuple[str | None, str]:
-        if not self.graphs:
-            return "no_graphs", ""
+    def _choose(self, inputs: ModelInputs) -> tuple[GraphKey | None, str, str]:
+        """(graph key, "", "") or (None, eager reason, message)."""
+        if not self.graphs and not self.mixed_graphs:
+            return None, "no_graphs", ""
         m = inputs.attn
-        B = inputs.input_ids.shape[0]
-        if m.max_query_len != 1 or m.num_actual_tokens != m.num_reqs:
-            return "mixed", "steps with prefill tokens run eagerly (graphs are decode-only)"
+        T = int(inputs.input_ids.shape[0])
+        decode = m.max_query_len == 1 and m.num_actual_tokens == m.num_reqs
+        if decode and (T in self.graphs or not self.mixed_graphs):
+            reason, message = self._decode_reason(inputs, T)
+            return ((DECODE, T) if reason is None else None), reason or "", message
+        if not self.mixed_graphs:
+            why = f" ({self.fallback_reason})" if self.fallback_reason else ""
+            return None, "mixed", f"steps with prefill tokens run eagerly (graphs are decode-only{why})"
+        if T not in self.mixed_graphs:
+            largest = max(self.mixed_graphs)
+            if T > largest:
+                return None, "too_large", (f"a step of {T} tokens exceeds the largest mixed graph ({largest} "
+                                           "tokens); running eagerly")
+            return None, "not_captured", f"no mixed graph was captured for {T} padded tokens; running eagerly"
+        R = self.mixed_graphs[T].reqs
+        if m.num_padded_reqs != R:
+            return None, "shape", (f"step of {T} tokens padded to {m.num_padded_reqs} requests, its graph has "
+                                   f"{R}; running eagerly")
+        if not self._same_kv(inputs):
+            return None, "kv_caches", "KV caches differ from those the graphs were captured with; running eagerly"
+        return (MIXED, T), "", ""
+
+    def _decode_reason(self, inputs: ModelInputs, B: int) -> tuple[str | None, str]:
+        m = inputs.attn
         if B not in self.graphs:
-            largest = max(self.graphs)
+            largest = max(self.graphs, default=0)
             if B > largest:
                 return "too_large", f"decode batch of {B} exceeds the largest captured graph ({largest}); eager"
             return "not_captured", f"no graph was captured for padded size {B}; running eagerly"
@@ -349,20 +354,23 @@ class StaticGraphExecutor(GraphExecutor):
                                     f"{self.max_seq_len_to_capture}); running eagerly")
         if m.num_padded_reqs != B:
             return "shape", f"batch padded to {m.num_padded_reqs} requests for {B} tokens; running eagerly"
-        if inputs.kv_caches is not self._kv and [t.data_ptr() for t in inputs.kv_caches] != self._kv_ptrs:
+        if not self._same_kv(inputs):
             return "kv_caches", "KV caches differ from those the graphs were captured with; running eagerly"
         return None, ""
+
+    def _same_kv(self, inputs: ModelInputs) -> bool:
+        return inputs.kv_caches is self._kv or [t.data_ptr() for t in inputs.kv_caches] == self._kv_ptrs
 
     # ---- memory ----------------------------------------------------------------
     def pool_reserve_bytes(self, activation_bytes_per_token: float, buckets: BucketPolicy) -> int:
         """An estimate of the graph pool, reserved before the KV budget is fixed: the
         largest graph's activations (one pool, captured largest first, so smaller
         graphs reuse them) at the profile's bytes per token, plus 2 MiB per graph
-        for outputs and allocator rounding. 0 under enforce_eager."""
-        sizes = [b for b in buckets.token_buckets if buckets.pad(b, b) == (b, b)]
-        if self.enforce_eager or not sizes:
+        for outputs and allocator rounding. 0 under enforce_eager / NONE."""
+        plan = self.capture_plan(buckets)
+        if not plan:
             return 0
-        self.reserved_bytes = int(activation_bytes_per_token * sizes[-1]) + len(sizes) * (2 << 20)
+        self.reserved_bytes = int(activation_bytes_per_token * plan[0][1]) + len(plan) * (2 << 20)
         return self.reserved_bytes
 
 

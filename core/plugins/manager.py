@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pluggy
 
 from polyrunner.config import EngineConfig
+from polyrunner.default_limits import apply_default_limits
 from polyrunner.device.backend import Availability, Backend
+from polyrunner.models.context_length import resolved_max_model_len
 from polyrunner.plugins import hookspecs
 from polyrunner.plugins.api_version import PluginVersionError, check_plugin_version
 
@@ -139,8 +141,11 @@ def select_backend(name: str | None = None) -> type[Backend]:
 
 
 def create_backend(config: EngineConfig) -> Backend:
-    """One engine's backend: select `config.runner.backend`'s class, let it adjust `config`
-    in place (`Backend.adjust_config`), then make the instance from the adjusted config."""
+    """One engine's backend: select `config.runner.backend`'s class, fill the scheduler limits
+    the user left unset from its `default_limits`, let it adjust `config` in place
+    (`Backend.adjust_config`), then make the instance from the adjusted config."""
     cls = select_backend(config.runner.backend)
+    apply_default_limits(config, cls.default_limits(config.runner.usage_context),
+                         lambda: config.model.max_model_len or resolved_max_model_len(config))
     cls.adjust_config(config)
     return cls(config)

@@ -22,7 +22,7 @@ from polyrunner.device.backend import HostFuture
 from polyrunner.step_channel import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from polyrunner.sample.logprobs import LogprobsTensors
+    from polyrunner.sample.logprobs import LogprobsFuture
 
 PLACEHOLDER = -1   # a token id still on the device (real ids are >= 0)
 
@@ -35,13 +35,15 @@ class AsyncModelRunnerOutput:
     def __init__(self, future: HostFuture, sampled: torch.Tensor, slots: np.ndarray, kept: np.ndarray,
                  positions: np.ndarray, num_slots: int, token_ids: np.ndarray,
                  make_output: Callable[[np.ndarray], ModelRunnerOutput],
-                 logprobs: "LogprobsTensors | None" = None,
+                 logprobs: "LogprobsFuture | None" = None,
                  logprob_rows: list[tuple[int, str, int]] | None = None) -> None:
         """`sampled`: the device tensor of sampled tokens (row i = batch row i);
         `slots`: batch row -> slot; `kept`: rows whose token counts (not a partial
         prefill), with its placeholder at `positions` of its slot's row of
-        `token_ids`; `make_output(tokens)`: the step's output without logprobs;
-        `logprob_rows`: (row, request id, number of logprobs) to report."""
+        `token_ids`; `make_output(tokens)`: the step's output without logprobs (it waits
+        for the prompt logprobs' copies); `logprobs`: the sampled logprobs' copies to the
+        host, started when the step was queued; `logprob_rows`: (row, request id, number of
+        logprobs) to report."""
         self.future = future
         self.sampled = sampled
         self.slots = slots
@@ -79,11 +81,11 @@ class AsyncModelRunnerOutput:
         return self.tokens
 
     def get_output(self) -> ModelRunnerOutput:
-        """The step's result (waits for its tokens; reads its logprobs, once)."""
+        """The step's result (waits for its tokens and its logprobs' copies, once)."""
         tokens = self.resolve()
         result = self._make_output(tokens)
         if self._logprobs is not None:
-            lists = self._logprobs.tolists()
+            lists = self._logprobs.result()
             for row, req_id, k in self._logprob_rows:
                 if self.live[row]:
                     result.logprobs[req_id] = lists.row(row, k)

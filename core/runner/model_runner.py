@@ -11,7 +11,9 @@ requests in, block deltas) -> `_prepare_inputs` -> `executor.run` -> `_logits`
 -> `_sample` -> the output stage. `execute` runs a step and waits for its
 tokens (`_output`); `execute_async` queues one and returns at once
 (`_queue_output`, an `AsyncModelRunnerOutput`): the next step, prepared while
-this one runs, reads this one's tokens on the device.
+this one runs, reads this one's tokens on the device. Logprobs and prompt
+logprobs come back like the tokens: copied with `backend.to_host_async` when the
+step is queued, read when its output is.
 
 Speculative decoding (`config.speculative`): after each step the proposer drafts
 tokens for the rows that may take them; a step that schedules drafts computes
@@ -49,7 +51,13 @@ from polyrunner.runner.inputs import (
     prepare_inputs,
 )
 from polyrunner.runner.states import RequestStates
-from polyrunner.sample import LogprobsTensors, SamplingMetadata, SamplingState, compute_prompt_logprobs
+from polyrunner.sample import (
+    LogprobsFuture,
+    LogprobsTensors,
+    SamplingMetadata,
+    SamplingState,
+    compute_prompt_logprobs,
+)
 from polyrunner.sample.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from polyrunner.spec_decode.proposer import Proposer, make_proposer
 from polyrunner.step_channel import LogprobRow, ModelRunnerOutput, SchedulerOutput
@@ -77,7 +85,7 @@ class Sampled:
     errors: dict[int, str]
     logprobs: LogprobsTensors | None
     logprob_rows: list[tuple[int, str, int]]   # (batch row, request id, logprobs asked)
-    prompt_logprobs: dict[str, list[LogprobRow]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsTensors] = field(default_factory=dict)
     spec_tokens: np.ndarray | None = None
     num_sampled: np.ndarray | None = None
 
@@ -299,6 +307,7 @@ class ModelRunner:
         sample counts, build the step's output; propose the next drafts."""
         states, R = self.states, so.num_reqs
         kept = np.flatnonzero(~step.discard) if step.discard.any() else None
+        logprobs, prompt_lps = self._logprobs_to_host(sampled)
         if sampled.spec_tokens is None:
             assert sampled.token_ids is not None
             tokens = self.backend.to_host_async(sampled.token_ids).result().numpy()[:R].astype(np.int64, copy=False)
@@ -310,10 +319,10 @@ class ModelRunner:
             keep = np.arange(R) if kept is None else kept
             states.append_tokens(so.slots[keep], spec_tokens[keep], num_sampled[keep])
             tokens = spec_tokens[:, 0].copy()
-        result = ModelRunnerOutput(tokens, prompt_logprobs=sampled.prompt_logprobs, errors=sampled.errors,
+        result = ModelRunnerOutput(tokens, prompt_logprobs=host_rows(prompt_lps), errors=sampled.errors,
                                    sampled_token_ids=spec_tokens, num_sampled=num_sampled)
-        if sampled.logprobs is not None:
-            lists = sampled.logprobs.tolists()
+        if logprobs is not None:
+            lists = logprobs.result()
             for r, req_id, k in sampled.logprob_rows:
                 result.logprobs[req_id] = lists.row(r, k)
         if self._decode_ready:
@@ -332,12 +341,13 @@ class ModelRunner:
         kept_slots = so.slots[kept]
         positions = states.num_tokens[kept_slots].astype(np.int64)
         states.append(kept_slots, PLACEHOLDER)
-        prompt_lps, errors = sampled.prompt_logprobs, sampled.errors
+        future = self.backend.to_host_async(sampled.token_ids)
+        logprobs, prompt_lps = self._logprobs_to_host(sampled)
+        errors = sampled.errors
         self._in_flight = AsyncModelRunnerOutput(
-            self.backend.to_host_async(sampled.token_ids), sampled.token_ids, so.slots, kept, positions,
-            states.num_slots, states.token_ids,
-            lambda tokens: ModelRunnerOutput(tokens, prompt_logprobs=prompt_lps, errors=errors),
-            sampled.logprobs, sampled.logprob_rows)
+            future, sampled.token_ids, so.slots, kept, positions, states.num_slots, states.token_ids,
+            lambda tokens: ModelRunnerOutput(tokens, prompt_logprobs=host_rows(prompt_lps), errors=errors),
+            logprobs, sampled.logprob_rows)
         if self._decode_ready:
             self._last_decode = LastDecode(so.slots, step, inputs, None)
         return self._in_flight
@@ -434,11 +444,18 @@ class ModelRunner:
             out.append((r, req_id, int(params.logprobs)))
         return out
 
+    def _logprobs_to_host(self, sampled: Sampled) -> tuple[LogprobsFuture | None, dict[str, LogprobsFuture]]:
+        """Start the copies to the host of the step's logprobs (None: no row reports any) and
+        prompt logprobs (by request id), without waiting for them."""
+        copy = self.backend.to_host_async
+        logprobs = None if sampled.logprobs is None else sampled.logprobs.to_host_async(copy)
+        return logprobs, {req_id: lps.to_host_async(copy) for req_id, lps in sampled.prompt_logprobs.items()}
+
     def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs,
-                         so: SchedulerOutput) -> dict[str, list[LogprobRow]]:
+                         so: SchedulerOutput) -> dict[str, LogprobsTensors]:
         """Logprobs of the next prompt token at each prompt position computed this step,
-        for the (few) requests that asked for prompt_logprobs."""
-        out: dict[str, list[LogprobRow]] = {}
+        on the device, for the (few) requests that asked for prompt_logprobs."""
+        out: dict[str, LogprobsTensors] = {}
         states = self.states
         for slot, done in list(states.prompt_logprobs_done.items()):
             rows = np.flatnonzero(so.slots == slot)
@@ -455,12 +472,11 @@ class ModelRunner:
                 logits = model_compute_logits(self.model)(hidden[start:start + last - first])
                 if self.gather_vocab is not None:
                     logits = self.gather_vocab(logits)
-                targets = torch.from_numpy(states.token_ids[slot, first + 1:last + 1].astype(np.int64))
+                targets = self.backend.to_device(states.token_ids[slot, first + 1:last + 1].astype(np.int64))
                 req_id, params = states.req_ids[slot], states.sampling.params[slot]
                 assert req_id is not None and params is not None and params.prompt_logprobs is not None
                 k = params.prompt_logprobs
-                lists = compute_prompt_logprobs(logits, targets.to(logits.device), k).tolists()
-                out[req_id] = [lists.row(i) for i in range(last - first)]
+                out[req_id] = compute_prompt_logprobs(logits, targets, k)
                 done = states.prompt_logprobs_done[slot] = last
             if done >= num_prompt - 1:
                 del states.prompt_logprobs_done[slot]
@@ -489,3 +505,8 @@ class ModelRunner:
             meta.extras[key] = dev(array)
         ids = dev(step.input_ids) if input_ids is None else input_ids
         return ModelInputs(ids, meta.positions, meta, self.kv_caches, logits_idx)
+
+
+def host_rows(pending: dict[str, LogprobsFuture]) -> dict[str, list[LogprobRow]]:
+    """Prompt logprobs on the host: wait for each request's copies, one row per position."""
+    return {req_id: future.result().rows() for req_id, future in pending.items()}

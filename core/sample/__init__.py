@@ -7,6 +7,7 @@ A `SamplingState` holds one row per request slot; each step
 """
 
 from polyrunner.sample.logprobs import (
+    LogprobsFuture,
     LogprobsLists,
     LogprobsTensors,
     compute_logprobs,
@@ -19,6 +20,7 @@ from polyrunner.sample.sampler import Sampler, SamplerOutput, apply_logits_proce
 from polyrunner.sample.state import SamplingState
 
 __all__ = [
+    "LogprobsFuture",
     "LogprobsLists",
     "LogprobsTensors",
     "Sampler",

@@ -8,9 +8,17 @@ rank). k = -1 means the whole vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
+
+
+class HostCopy(Protocol):
+    """A device->host copy in flight (a backend's `HostFuture`)."""
+
+    def result(self) -> torch.Tensor: ...
 
 
 @dataclass
@@ -33,6 +41,10 @@ class LogprobsLists:
         end = None if num_logprobs is None or num_logprobs < 0 else num_logprobs + 1
         return self.token_ids[i][:end], self.logprobs[i][:end], self.ranks[i]
 
+    def rows(self) -> list[tuple[list[int], list[float], int]]:
+        """Every row, untrimmed."""
+        return [self.row(i) for i in range(len(self.ranks))]
+
 
 @dataclass
 class LogprobsTensors:
@@ -49,6 +61,29 @@ class LogprobsTensors:
             self.logprobs.cpu().tolist(),
             self.ranks.cpu().tolist(),
         )
+
+    def to_host_async(self, copy: Callable[[torch.Tensor], HostCopy]) -> LogprobsFuture:
+        """Start the copies with `copy` (the backend's `to_host_async`) and return at once;
+        the future's `result()` waits for them and gives what `tolists()` gives."""
+        return LogprobsFuture(self, (copy(self.token_ids), copy(self.logprobs), copy(self.ranks)))
+
+
+@dataclass
+class LogprobsFuture:
+    """Logprobs on their way to the host; `result()` waits for the copies (once)."""
+
+    tensors: LogprobsTensors | None   # the device tensors (kept alive until the copies land)
+    copies: tuple[HostCopy, HostCopy, HostCopy]
+    _lists: LogprobsLists | None = None
+
+    def result(self) -> LogprobsLists:
+        if self._lists is None:
+            assert self.tensors is not None
+            ids, lps, ranks = (c.result() for c in self.copies)
+            # the same class on host tensors: a subclass's `tolists` (e.g. per-row trimming) still applies
+            host = dataclasses.replace(self.tensors, token_ids=ids, logprobs=lps, ranks=ranks)
+            self._lists, self.tensors = host.tolists(), None
+        return self._lists
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:

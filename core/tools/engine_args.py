@@ -46,11 +46,15 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                   help="tokenizer folder (default: the model's own)")),
     "seed": (("--seed",), dict(type=int, default=default_of(ModelConfig, "seed"),
              help="random seed for requests without their own")),
-    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=default_of(SchedulerConfig, "max_num_seqs"),
-                     help="most sequences in one batch (iteration)")),
+    "max_num_seqs": (("--max-num-seqs",), dict(type=int, default=None,
+                     help="most sequences in one batch (iteration) (default: the backend's, vLLM's by device: "
+                          "CUDA 1024 from 70 GiB of memory, else 256; elsewhere "
+                          f"{default_of(SchedulerConfig, 'max_num_seqs')})")),
     "max_num_batched_tokens": (("--max-num-batched-tokens",),
-                               dict(type=int, default=default_of(SchedulerConfig, "max_num_batched_tokens"),
-                               help="most tokens computed in one iteration")),
+                               dict(type=int, default=None,
+                               help="most tokens computed in one iteration (default: the backend's, vLLM's by "
+                                    "device: CUDA 16384 (serve: 8192) from 70 GiB of memory, else 8192 (serve: "
+                                    f"2048); elsewhere {default_of(SchedulerConfig, 'max_num_batched_tokens')})")),
     "block_size": (("--block-size",), dict(type=int, default=default_of(CacheConfig, "block_size"),
                    help="tokens per KV-cache block")),
     "gpu_memory_utilization": (("--gpu-memory-utilization",),
@@ -64,6 +68,10 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                               help="reuse the KV cache of prompts' shared prefixes")),
     "enforce_eager": (("--enforce-eager",), dict(action="store_true",
                       help="run the model eagerly: no graph capture or compilation")),
+    "cudagraph_mode": (("--cudagraph-mode",), dict(default=None, choices=["FULL", "FULL_DECODE_ONLY", "NONE"],
+                       help="graphs a graph-capturing backend captures (vLLM's compilation_config.cudagraph_mode): "
+                            "FULL (decode and mixed prefill+decode steps), FULL_DECODE_ONLY, NONE (default: the "
+                            "backend's own, FULL on CUDA with Triton attention)")),
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"),
                              dict(type=int, default=default_of(ParallelConfig, "tensor_parallel_size"),
                              help="shard the model over this many devices (processes; several hosts: torchrun)")),

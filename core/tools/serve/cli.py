@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else envs.API_KEY.get()
     log_level = getattr(args, "log_level", None) or "info"   # main() sets it from --log-level
     async_llm = AsyncLLM(**engine_kwargs(args), prefault_kv_cache=args.prefault_kv_cache,
-                         engine_process=args.engine_process)
+                         engine_process=args.engine_process, usage_context="OPENAI_API_SERVER")
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
