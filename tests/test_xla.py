@@ -219,3 +219,37 @@ def test_pallas_layout_with_the_reference_kernel():
             extras["pallas_query_start_loc"], extras[pallas.NUM_SEQS], None, None,
             sm_scale=spec.scale, sliding_window=window)
         assert_close_ulp(got[:T], want[:T], torch.float32, ulps=1, abs_err=bound[:T])
+
+
+START = """
+import json, sys
+from polyrunner import LLM
+llm = LLM(sys.argv[1], backend="xla", dtype="float32", max_num_seqs=8, max_num_batched_tokens=32,
+          max_model_len=64, block_size=16, kv_cache_memory_bytes=1 << 22, request_buckets=[8])
+ex = llm.engine.runner.executor
+print(json.dumps({"cache": str(llm.engine.backend.compile_cache), "graphs": ex.warmup_graphs,
+                  "lookups": ex.warmup_cache}))
+"""
+
+
+def test_a_second_start_finds_every_graph_in_the_disk_cache(folder, tmp_path):
+    """POLYRUNNER_XLA_CACHE_DIR: the first start writes its graphs there, the second looks every one
+    up and misses none. (The CPU PJRT client of torch_xla 2.9 cannot load what it wrote, so the
+    lookups count as load failures and compile again there; on a TPU they are hits.)"""
+    import json
+    import subprocess
+    import sys
+    env = {**os.environ, "POLYRUNNER_XLA_CACHE_DIR": str(tmp_path / "cache"), "PJRT_DEVICE": "CPU"}
+
+    def start() -> dict:
+        out = subprocess.run([sys.executable, "-c", START, str(folder)], env=env, capture_output=True, text=True,
+                             timeout=600, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = start()
+    assert first["cache"] == str(tmp_path / "cache") and first["graphs"] > 0
+    assert first["lookups"]["misses"] >= first["graphs"] and first["lookups"]["hits"] == 0
+    assert len(list((tmp_path / "cache").iterdir())) >= first["graphs"]
+    second = start()
+    assert second["lookups"]["misses"] == 0
+    assert second["lookups"]["hits"] + second["lookups"]["load_failures"] == first["lookups"]["misses"]

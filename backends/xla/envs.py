@@ -33,3 +33,7 @@ CPU_KV_BYTES = declare("POLYRUNNER_XLA_CPU_KV_BYTES", int, 1 << 30,
                        ge=0, section=_S)
 PALLAS = declare("POLYRUNNER_XLA_PALLAS", bool, True,
                  "on a TPU, 0 uses the static-shape torch attention instead of Pallas", section=_S)
+CACHE_DIR = declare("POLYRUNNER_XLA_CACHE_DIR", str, None,
+                    "persistent XLA compilation cache folder (torch_xla's `initialize_cache`); unset: "
+                    "`<POLYRUNNER_CACHE>/xla-compile` on a TPU, none on the CPU PJRT device (torch_xla 2.9 "
+                    "cannot load its serialized executables there); `off`: none", section=_S)

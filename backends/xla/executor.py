@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from polyrunner.backends.xla import envs
+from polyrunner.backends.xla import compile_cache, envs
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,
     STOP_WIDTH,
@@ -85,6 +85,10 @@ class XLAGraphExecutor(GraphExecutor):
         self.warmup_graphs = 0       # graphs those compiled (0 for shapes another engine compiled)
         self.warmup_seconds = 0.0
         self.serving_graphs = 0      # graphs compiled after warm-up (should stay 0)
+        # disk-cache lookups from here to the end of warm-up (`compile_cache.lookups`): a start
+        # whose graphs are all on disk has misses 0 (on a TPU, hits = its graphs)
+        self.warmup_cache: dict[str, int] = {}
+        self._lookups_at_start = compile_cache.lookups()
         if enforce_eager and strict:
             logger.warning("xla: strict_no_recompile is ignored with enforce_eager")
         self._settle("load_weights")
@@ -168,8 +172,11 @@ class XLAGraphExecutor(GraphExecutor):
         self.warmup_graphs = self.compiled - start_graphs
         self.warmup_seconds = time.perf_counter() - t0
         self.warm = True
-        logger.info("xla: precompiled %d pieces, %d new graphs (%d token x %d request buckets) in %.1f s",
-                    plan, self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds)
+        now = compile_cache.lookups()
+        self.warmup_cache = {k: now[k] - self._lookups_at_start[k] for k in now}
+        logger.info("xla: precompiled %d pieces, %d new graphs (%d token x %d request buckets) in %.1f s; "
+                    "disk cache %s", plan, self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds,
+                    ", ".join(f"{k} {v}" for k, v in self.warmup_cache.items()))
 
     # ---- pieces -------------------------------------------------------------------
     def run(self, inputs: ModelInputs) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from polyrunner.backends.diagnose import Runtime, check_library, installed_version
 from polyrunner.backends.supported_versions import STACKS
-from polyrunner.backends.xla import envs
+from polyrunner.backends.xla import compile_cache, envs
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 from polyrunner.plugin_api import (
     NULL_BLOCK,
@@ -79,6 +79,7 @@ class XLABackend(Backend):
     def __init__(self, config: "EngineConfig") -> None:
         super().__init__(config)
         self._device: torch.device | None = None
+        self.compile_cache = compile_cache.enable(self.on_tpu())   # before this process compiles
         # Pallas attention: decided by the device and the environment, and turned off by
         # `allocate_kv_cache` for a head size its kernel cannot take (None: not decided yet).
         self._pallas: bool | None = None
