@@ -23,6 +23,18 @@ from test_cuda_backend import SimGraphAPI, SimGraphBackend, _config, _expected, 
 
 
 # ---- capture sizes -----------------------------------------------------------------
+def register_backend(cls, name: str) -> None:
+    """Register a plugin offering backend class `cls` under plugin name `name` (unregister after)."""
+    class _Plugin:
+        PLUGIN_API_VERSION = "1.0"
+
+        @staticmethod
+        @hookimpl
+        def polyrunner_backends():
+            return [cls]
+    register(_Plugin, name=name)
+
+
 def vllm_sizes(max_num_seqs):
     """vLLM's documented default, written out independently."""
     top = min(max_num_seqs * 2, 512)
@@ -159,14 +171,8 @@ def test_triton_attention_graphs_one_key_per_batch_size(tiny_llama):
         attention = staticmethod(triton_paged_attention)
         executor_kwargs = dict(length_adaptive=True)
 
-    class _Plugin:
-        PLUGIN_API_VERSION = "1.0"
-        @staticmethod
-        @hookimpl
-        def polyrunner_backends():
-            return [TritonSimBackend]
 
-    register(_Plugin, name="test-triton-sim")
+    register_backend(TritonSimBackend, "test-triton-sim")
     try:
         from polyrunner import LLM, SamplingParams
         prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9] * 4, [11, 12, 13])]
@@ -204,15 +210,9 @@ def triton_full(tiny_llama):
         def bucket_policy(self):
             return graph_bucket_policy(self.config, mode=self.executor.mode)
 
-    class _Plugin:
-        PLUGIN_API_VERSION = "1.0"
-        @staticmethod
-        @hookimpl
-        def polyrunner_backends():
-            return [TritonFullSimBackend]
 
     from polyrunner import LLM
-    register(_Plugin, name="test-triton-full")
+    register_backend(TritonFullSimBackend, "test-triton-full")
     kw = dict(dtype="float32", max_num_seqs=4, block_size=16, max_num_batched_tokens=16, max_model_len=64,
               kv_cache_memory_bytes=1 << 20)
     try:
