@@ -6,7 +6,7 @@ names its allowed range; pydantic's error names the field that broke it.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,7 +20,7 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "proc
 SchedulingPolicy = Literal["fcfs", "priority"]
 # vLLM's `CUDAGraphMode` names a graph-capturing backend honours (polyrunner.device.graph_buckets)
 GraphMode = Literal["NONE", "FULL_DECODE_ONLY", "FULL"]
-GRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL")
+GRAPH_MODES: tuple[str, ...] = get_args(GraphMode)
 # Who builds the engine (vLLM's `UsageContext` names): device-dependent scheduler defaults
 # (`Backend.default_limits`) differ for the offline `LLM` class and the OpenAI-compatible server.
 UsageContext = Literal["LLM_CLASS", "OPENAI_API_SERVER"]

@@ -194,10 +194,13 @@ class CUDABackend(Backend):
     def bucket_policy(self) -> BucketPolicy:
         """Padding for the executor's graph mode (before it exists: the mode it will run)."""
         ex = self.executor
-        mode = ex.mode if isinstance(ex, StaticGraphExecutor) else resolve_graph_mode(
-            requested_graph_mode(self.config, FULL if self.length_adaptive else FULL_DECODE_ONLY),
-            self.length_adaptive)[0]
+        mode = (ex.mode if isinstance(ex, StaticGraphExecutor)
+                else resolve_graph_mode(self._requested_mode(), self.length_adaptive)[0])
         return graph_bucket_policy(self.config, mode=mode)
+
+    def _requested_mode(self) -> str:
+        """`runner.cudagraph_mode`, else FULL with a length-adaptive attention, else FULL_DECODE_ONLY."""
+        return requested_graph_mode(self.config, FULL if self.length_adaptive else FULL_DECODE_ONLY)
 
     def kv_cache_budget(self, weights_bytes: int, profile) -> int:
         """The worst steps' peak plus the graph pool's estimate stay free of KV."""
@@ -213,7 +216,7 @@ class CUDABackend(Backend):
 
     def make_executor(self, model: torch.nn.Module) -> GraphExecutor:
         config = self.config
-        mode = requested_graph_mode(config, FULL if self.length_adaptive else FULL_DECODE_ONLY)
+        mode = self._requested_mode()
         return StaticGraphExecutor(
             model, TorchGraphAPI(torch.cuda, "CUDAGraph", "cuda graphs"), max_num_seqs=config.scheduler.max_num_seqs,
             mode=mode, length_adaptive=self.length_adaptive)

@@ -27,7 +27,7 @@ def _pinned(nbytes: int) -> torch.Tensor:
 
 class PinnedStaging:
     """Uploads to `device` staged through a reused pinned arena (`mod`: the device's torch
-    module, e.g. `torch.cuda`, for its `Event`). Thread-safe; one per device is enough."""
+    module, whose `Event` orders the halves' reuse). Thread-safe; one per device is enough."""
 
     def __init__(self, mod: Any, device: torch.device | str, half_bytes: int = 4 << 20,
                  alloc: Callable[[int], torch.Tensor] = _pinned,
