@@ -195,7 +195,7 @@ class StaticGraphExecutor(GraphExecutor):
         """(kind, tokens, requests) of every graph `prepare` captures, largest first:
         decode graphs at the buckets that pad (B, B) to themselves, and under FULL
         mixed graphs at the policy's mixed sizes (a `FullGraphBucketPolicy`)."""
-        if self.mode == NONE:
+        if self.mode == NONE or self.enforce_eager:
             return []
         full = buckets if isinstance(buckets, FullGraphBucketPolicy) else None
         decode = full.decode_sizes if full is not None else buckets.token_buckets
@@ -205,7 +205,7 @@ class StaticGraphExecutor(GraphExecutor):
         return sorted(plan, key=lambda p: (p[1], p[0] == MIXED), reverse=True)
 
     def prepare(self, run_dummy: Callable[[int, int], Any], buckets: BucketPolicy) -> None:
-        if self.mode == NONE:
+        if self.mode == NONE or self.enforce_eager:
             logger.info("%s: enforce_eager / cudagraph_mode NONE: no graphs are captured", self.api.name)
             return
         plan = self.capture_plan(buckets)
