@@ -8,6 +8,10 @@
   padded with zero heads up to a multiple of the ranks, and the q heads with
   them (each KV head keeps its group of q heads): a padded head's q, k and v
   are zero and its o_proj columns are zero, so it adds nothing to the output.
+- mixture of experts (`arch.moe`): each expert's intermediate rows (w1/w3 rows, w2 columns)
+  and the shared expert's are split like a dense MLP's (`moe_intermediate`,
+  `shared_expert_intermediate` per rank); the router and the shared-expert gate are whole.
+  Then the expert width must divide, and `intermediate_size` only where there are dense layers.
 - o_proj, down_proj: row-parallel — each rank holds the matching input columns;
   the partial outputs are summed by an all-reduce. A bias is added once (rank 0).
 - embed_tokens, lm_head: vocabulary-parallel — each rank holds a contiguous
@@ -42,6 +46,8 @@ class TPShard:
     head_dim: int
     total_heads: int = 0     # the model's q heads (those past it on a rank are zero padding)
     total_kv_heads: int = 0
+    moe_intermediate: int = 0            # each expert's intermediate rows on this rank (0: no experts)
+    shared_expert_intermediate: int = 0  # the shared expert's (0: none)
 
     @classmethod
     def single(cls, arch: DecoderArch) -> TPShard:
@@ -52,9 +58,14 @@ class TPShard:
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} of size {size}: rank must be in [0, {size - 1}]")
         heads, kv = arch.num_heads, arch.num_kv_heads
-        if arch.intermediate_size % size:   # vLLM's wording
-            raise ValueError(f"intermediate_size ({arch.intermediate_size}) must be divisible by tensor parallel "
-                             f"size ({size})")
+        moe = arch.moe
+        widths = [("intermediate_size", arch.intermediate_size)] if moe is None or moe.has_dense_layers else []
+        if moe is not None:
+            widths += [("expert intermediate size", moe.intermediate),
+                       ("shared_expert_intermediate_size", moe.shared_expert_intermediate)]
+        for what, width in widths:
+            if width % size:   # vLLM's wording
+                raise ValueError(f"{what} ({width}) must be divisible by tensor parallel size ({size})")
         group = heads // kv
         kv_padded = kv   # the fewest KV heads (real + zero) the ranks split evenly, or replicate
         while not (kv_padded % size == 0 or size % kv_padded == 0 and kv_padded * group % size == 0):
@@ -63,7 +74,9 @@ class TPShard:
         kv_start = rank * kv_local if kv_padded >= size else rank * kv_padded // size
         q_local = kv_padded * group // size
         return cls(rank, size, q_local, kv_local, rank * q_local, kv_start, arch.intermediate_size // size,
-                   arch.vocab_size, cdiv(arch.vocab_size, size), arch.head_dim, heads, kv)
+                   arch.vocab_size, cdiv(arch.vocab_size, size), arch.head_dim, heads, kv,
+                   0 if moe is None else moe.intermediate // size,
+                   0 if moe is None else moe.shared_expert_intermediate // size)
 
     @property
     def vocab_start(self) -> int:

@@ -17,14 +17,20 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")   # the gated MLP's (polyrunner.ops.gated_mlp.ACTIVATIONS)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}   # older Phi-3 configs' name for longrope
+# transformers' default for a top-level `original_max_position_embeddings` (which wins over the rope settings')
+ORIGINAL_MAX_DEFAULTS = {"phi3": 4096}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")   # model types with mixture-of-experts layers
 
 
 class ModelFileError(ValueError):
@@ -70,10 +76,18 @@ class RopeConfig(_Strict):
     low_freq_factor: float | None = Field(default=None, gt=0)
     high_freq_factor: float | None = Field(default=None, gt=0)
     original_max_position_embeddings: int | None = Field(default=None, ge=1)
+    short_factor: list[float] | None = None        # longrope: head_dim // 2 frequency divisors each
+    long_factor: list[float] | None = None
+    attention_factor: float | None = Field(default=None, gt=0)
+    partial_rotary_factor: float | None = Field(default=None, gt=0)
+    # transformers 5.x Gemma 3: one rope setting per layer type ({"full_attention": ..., "sliding_attention": ...})
+    full_attention: RopeConfig | None = None
+    sliding_attention: RopeConfig | None = None
 
     @property
     def kind(self) -> str:
-        return self.rope_type or self.type or "default"
+        kind = self.rope_type or self.type or "default"
+        return ROPE_TYPE_ALIASES.get(kind, kind)
 
 
 class HFDecoderConfig(_Strict):
@@ -97,10 +111,30 @@ class HFDecoderConfig(_Strict):
     attention_bias: bool = False
     mlp_bias: bool = False
     eos_token_id: int | list[int] | None = None
-    sliding_window: int | None = Field(default=None, ge=1)
+    sliding_window: int | None = Field(default=None, ge=0)   # 0 (Qwen2-MoE's saved configs): no window
     layer_types: list[str] | None = None
     use_sliding_window: bool = False
     max_window_layers: int | None = Field(default=None, ge=0)
+    # mixture of experts (MOE_MODEL_TYPES): Mixtral names the expert count num_local_experts, Qwen num_experts
+    num_local_experts: int | None = Field(default=None, ge=1)
+    num_experts: int | None = Field(default=None, ge=1)
+    num_experts_per_tok: int | None = None   # in [1, experts]: checked with the count (`_check_moe`)
+    moe_intermediate_size: int | None = Field(default=None, ge=1)
+    shared_expert_intermediate_size: int | None = Field(default=None, ge=0)   # 0 or null: no shared expert
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = Field(default=1, ge=1)
+    mlp_only_layers: list[int] = []
+    original_max_position_embeddings: int | None = Field(default=None, ge=1)   # Phi-3: longrope's, wins
+    partial_rotary_factor: float | None = Field(default=None, gt=0)
+    # Gemma 2 / 3 (read for GEMMA_MODEL_TYPES; None: transformers' default for the model type)
+    hidden_activation: str | None = None
+    hidden_act: str | None = None
+    query_pre_attn_scalar: float | None = Field(default=None, gt=0)
+    attn_logit_softcapping: float | None = Field(default=None, gt=0)
+    final_logit_softcapping: float | None = Field(default=None, gt=0)
+    rope_local_base_freq: float | None = Field(default=None, gt=0)
+    sliding_window_pattern: int | None = Field(default=None, ge=1)
+    use_bidirectional_attention: bool | None = None
 
     @property
     def rope_field(self) -> str | None:
@@ -145,6 +179,8 @@ class HFDecoderConfig(_Strict):
                  + ("" if self.head_dim else f" (= hidden_size {self.hidden_size} // num_attention_heads {heads})"))
         if heads % kv:
             fail("num_key_value_heads", f"must divide num_attention_heads ({heads}), got {kv}")
+        if self.model_type in MOE_MODEL_TYPES:
+            self._check_moe(fail)
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers:
                 fail("layer_types", f"must have one entry per layer (num_hidden_layers = {self.num_hidden_layers}), "
@@ -152,7 +188,13 @@ class HFDecoderConfig(_Strict):
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
                 fail("layer_types", f"entries must be one of {LAYER_TYPES}, got {bad[0]!r}")
+        if self.model_type in GEMMA_MODEL_TYPES:
+            self._check_gemma(path, fail)
         rope, name = self.rope, self.rope_field
+        for where, partial in (("partial_rotary_factor", self.partial_rotary_factor),
+                               (f"{name}.partial_rotary_factor", None if rope is None else rope.partial_rotary_factor)):
+            if partial is not None and partial != 1.0:   # the rotary tables rotate all head_dim dimensions
+                fail(where, f"must be 1.0 (partial rotary embeddings are not supported), got {partial}")
         if rope is None:
             return
         if rope.kind not in SUPPORTED_ROPE_TYPES:
@@ -166,6 +208,70 @@ class HFDecoderConfig(_Strict):
         if rope.kind == "llama3" and rope.high_freq_factor <= rope.low_freq_factor:
             fail(f"{name}.high_freq_factor", f"must be greater than low_freq_factor ({rope.low_freq_factor}), "
                  f"got {rope.high_freq_factor}")
+        if rope.kind == "longrope":
+            self._check_longrope(rope, str(name), fail)
+
+    def _check_longrope(self, rope: RopeConfig, name: str, fail: Callable[[str, str], None]) -> None:
+        """longrope: both factor lists, head_dim // 2 numbers > 0 each, and the pretraining length
+        (`original_max_position_embeddings`, top level or in the rope settings)."""
+        half = self.resolved_head_dim // 2
+        for key in ("short_factor", "long_factor"):
+            factors = getattr(rope, key)
+            if factors is None:
+                fail(f"{name}.{key}", "is missing (rope_type 'longrope' needs short_factor and long_factor)")
+            elif len(factors) != half:
+                fail(f"{name}.{key}", f"must have head_dim // 2 = {half} entries, got {len(factors)}")
+            elif min(factors) <= 0:
+                fail(f"{name}.{key}", f"entries must be numbers > 0, got {min(factors)}")
+        top = self.original_max_position_embeddings or ORIGINAL_MAX_DEFAULTS.get(self.model_type)
+        own = rope.original_max_position_embeddings
+        if top is None and own is None:
+            fail("original_max_position_embeddings", f"is missing (rope_type 'longrope' needs it, at the top "
+                 f"level or in {name})")
+        if (top or own) == 1:   # ln(original) divides the attention factor
+            fail("original_max_position_embeddings" if top else f"{name}.original_max_position_embeddings",
+                 "must be an integer >= 2 for rope_type 'longrope', got 1")
+
+    def _check_gemma(self, path: str | Path, fail: Callable[[str, str], None]) -> None:
+        """Gemma 2 / 3: the MLP activation, causal attention, and each per-layer-type rope setting
+        (checked like a top-level one, errors naming e.g. 'rope_parameters.full_attention.factor')."""
+        for key in ("hidden_activation", "hidden_act"):
+            act = getattr(self, key)
+            if act is not None and act not in ACTIVATIONS:
+                fail(key, f"must be one of {ACTIVATIONS}, got {act!r}")
+        if self.use_bidirectional_attention:
+            fail("use_bidirectional_attention", "must be false or null (only causal attention is supported), "
+                 "got True")
+        for kind in LAYER_TYPES:
+            sub = None if self.rope_parameters is None else getattr(self.rope_parameters, kind)
+            if sub is None:
+                continue
+            try:
+                self.model_copy(update={"rope_parameters": sub, "rope_scaling": None})._check_together(path)
+            except ModelFileError as exc:
+                field = f"rope_parameters.{kind}." + str(exc.field).removeprefix("rope_parameters.")
+                raise ModelFileError(str(exc).replace(repr(exc.field), repr(field)), path, field) from None
+
+    @property
+    def num_routed_experts(self) -> int | None:
+        """The expert count of a mixture-of-experts config (num_experts, else num_local_experts)."""
+        return self.num_experts if self.num_experts is not None else self.num_local_experts
+
+    def _check_moe(self, fail: typing.Callable[[str, str], None]) -> None:
+        """The mixture-of-experts fields of a model type in MOE_MODEL_TYPES."""
+        experts, count_field = self.num_routed_experts, "num_local_experts" if self.model_type == "mixtral" \
+            else "num_experts"
+        if experts is None:
+            fail(count_field, "is missing (a mixture-of-experts model needs its number of experts, an integer >= 1)")
+            return
+        k = self.num_experts_per_tok
+        if k is None or not 1 <= k <= experts:
+            fail("num_experts_per_tok", f"must be an integer in [1, {experts}] (1 to {count_field}), got {k!r}")
+        if self.model_type != "mixtral" and self.moe_intermediate_size is None:
+            fail("moe_intermediate_size", "is missing (the experts' intermediate size, an integer >= 1)")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            fail("mlp_only_layers", f"entries must be layer indices in [0, {self.num_hidden_layers - 1}], got {bad[0]}")
 
 
 # ------------------------------------------------------------ error messages

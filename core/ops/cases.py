@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from polyrunner.ops.gated_mlp import GatedMLP
+from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
 
@@ -152,3 +153,24 @@ def rotary_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen
                 return tuple(m(positions, q, k))
             calls.append(Call("forward", f"{rows}x{hq}x{d}", run, ("q", "k")))
         yield Case(_ready(rotary, dtype, device), tuple(calls))
+
+
+def moe_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen: torch.Generator) -> Iterator[Case]:
+    """FusedMoE over each (hidden, intermediate) pair: 8 experts, top-2, softmax renormalised,
+    with the last expert's logits far below the rest (it receives no token); 4 experts, top-4
+    (every token routed to every expert), sigmoid scoring without renormalisation."""
+    settings = ((8, 2, True, "softmax"), (4, 4, False, "sigmoid"))
+    for h, inter in zip(sizes.hidden, sizes.intermediate):
+        for experts, top_k, renormalize, scoring in settings:
+            moe = FusedMoE(experts, top_k, h, inter, renormalize, scoring)
+            moe.w13_weight.data = torch.randn(moe.w13_weight.shape, generator=gen) * h ** -0.5
+            moe.w2_weight.data = torch.randn(moe.w2_weight.shape, generator=gen) * inter ** -0.5
+            calls = []
+            for rows in sizes.rows:
+                x = _randn((rows, h), gen, dtype, device)
+                logits = torch.randn((rows, experts), generator=gen) * 2.0
+                if top_k < experts:
+                    logits[:, -1] = -30.0   # an expert that receives no token
+                logits = logits.to(device=device, dtype=dtype)
+                calls.append(Call("forward", _shape(x), lambda m, x=x, g=logits: (m(x.clone(), g.clone()),)))
+            yield Case(_ready(moe, dtype, device), tuple(calls))

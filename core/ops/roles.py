@@ -18,8 +18,9 @@ from typing import Any
 from torch import nn
 
 from polyrunner.attention.reference import reference_paged_attention
-from polyrunner.ops.cases import CaseMaker, gated_mlp_cases, linear_cases, rms_norm_cases, rotary_cases
+from polyrunner.ops.cases import CaseMaker, gated_mlp_cases, linear_cases, moe_cases, rms_norm_cases, rotary_cases
 from polyrunner.ops.gated_mlp import GatedMLP
+from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
 
@@ -48,12 +49,19 @@ GATED_MLP = Role("gated_mlp", GatedMLP, (
     "forward(x [..., H]) -> [..., H] = down_proj(silu_and_mul(gate_up_proj(x))); attributes gate_up_proj "
     "(gate then up, intermediate columns each), down_proj and intermediate, which a replacement keeps (the "
     "model's hook reaches the linears through them). Replaced after the linears in it, so its factory sees "
-    "their replacements."), gated_mlp_cases)
+    "their replacements. Only SiLU MLPs (activation == 'silu') are offered in this role (a GeGLU is not)."),
+    gated_mlp_cases)
+MOE = Role("moe", FusedMoE, (
+    "forward(x [T, H], router_logits [T, E]) -> [T, H] = fused_experts(x, w13_weight, w2_weight, "
+    "*select_experts(router_logits, top_k, renormalize, scoring)) (polyrunner.ops.moe): each token's top_k "
+    "experts' gated MLPs (w13_weight [E, 2I, H]: gate then up rows; w2_weight [E, H, I]) summed by the "
+    "routing weights; attributes num_experts, top_k, intermediate, renormalize, scoring and both weights, "
+    "which a replacement keeps. The router is a separate \"linear\"."), moe_cases)
 ATTENTION = Role("attention", reference_paged_attention, (
     "Backend.attention(q, k, v, kv_cache, meta, spec) -> [T_pad, Hq, D]: write this step's k/v at "
     "meta.slot_mapping, then attend each request's queries to its context. Overridden by defining "
     "Backend.attention, not through op_overrides."), None)
 
-ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, ATTENTION)}
+ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, MOE, ATTENTION)}
 # the roles `Backend.op_overrides` may name, in the order `apply_overrides` replaces them (innermost first)
-MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name)
+MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name, MOE.name)
