@@ -145,7 +145,8 @@ def phase_env(args, ctx) -> dict:
 
 
 def phase_tests(args, ctx) -> dict:
-    files = ["tests/test_triton_attention.py", "tests/test_triton_fused_ops.py", "tests/test_cuda_graphs.py",
+    files = ["tests/test_triton_attention.py", "tests/test_triton_fused_ops.py", "tests/test_triton_moe.py",
+             "tests/test_cuda_graphs.py",
              "tests/test_graph_modes.py", "tests/test_cuda_backend.py", "tests/test_pinned_staging.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-x", "-p", "no:cacheprovider", *files],
                           cwd=ROOT, capture_output=True, text=True, timeout=ctx["limit"] - 5)

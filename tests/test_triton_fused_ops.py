@@ -199,9 +199,9 @@ def test_overrides_follow_the_switches(monkeypatch):
     monkeypatch.delenv("POLYRUNNER_CUDA_FUSED", raising=False)
     monkeypatch.delenv("POLYRUNNER_CUDA_TRITON", raising=False)
     overrides = cuda_op_overrides(config, torch.bfloat16)
-    assert sorted(overrides) == ["gated_mlp", "rms_norm", "rotary"]
+    assert sorted(overrides) == ["gated_mlp", "moe", "rms_norm", "rotary"]
     model = _Tiny()
-    assert apply_overrides(model, overrides) == {"rms_norm": 1, "rotary": 1, "gated_mlp": 1}
+    assert apply_overrides(model, overrides) == {"rms_norm": 1, "rotary": 1, "gated_mlp": 1, "moe": 0}
     assert isinstance(model.norm, TritonRMSNorm) and isinstance(model.rotary, TritonRotary)
     assert isinstance(model.mlp, TritonGatedMLP)
     assert cuda_op_overrides(config, torch.float64) == {}

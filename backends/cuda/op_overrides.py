@@ -1,8 +1,8 @@
 """The CUDA backend's op overrides (`Backend.op_overrides`), which the core applies: "rms_norm",
-"rotary" and "gated_mlp" by the fused Triton modules (`fused_modules.py`), in float16, bfloat16
-and float32. None ({}: the core's modules run) when `POLYRUNNER_CUDA_FUSED=0`,
-`POLYRUNNER_CUDA_TRITON=0`, or triton is not installed or fails to import. "linear" stays
-the core's (cuBLAS). Importing this module does not import triton.
+"rotary" and "gated_mlp" by the fused Triton modules (`fused_modules.py`), "moe" by the Triton
+fused-MoE kernel (`moe_module.py`), in float16, bfloat16 and float32. None ({}: the core's
+modules run) when `POLYRUNNER_CUDA_FUSED=0`, `POLYRUNNER_CUDA_TRITON=0`, or triton is not
+installed or fails to import. "linear" stays the core's (cuBLAS). Importing this module does not import triton.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ def cuda_op_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, Cal
         return {}
     try:
         from polyrunner.backends.cuda.fused_modules import TritonGatedMLP, TritonRMSNorm, TritonRotary
+        from polyrunner.backends.cuda.moe_module import TritonFusedMoE
     except Exception as exc:  # noqa: BLE001 - a broken triton install keeps the core's modules
-        logger.warning("cuda: triton failed to import (%s: %s): the core's RMSNorm, rotary and MLP modules run",
+        logger.warning("cuda: triton failed to import (%s: %s): the core's RMSNorm, rotary, MLP and MoE modules run",
                        type(exc).__name__, exc)
         return {}
-    return {"rms_norm": TritonRMSNorm, "rotary": TritonRotary, "gated_mlp": TritonGatedMLP}
+    return {"rms_norm": TritonRMSNorm, "rotary": TritonRotary, "gated_mlp": TritonGatedMLP, "moe": TritonFusedMoE}
