@@ -88,7 +88,7 @@ def test_config_that_is_not_json_names_the_file_line_and_column(folder, no_model
      "config field 'num_key_value_heads' must divide num_attention_heads (4), got 3"),
     ({"head_dim": 15}, ValueError, "config field 'head_dim' must be even (rotary embeddings rotate pairs), got 15"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, ValueError,
-     "config field 'rope_scaling.rope_type' must be one of ('default', 'linear', 'llama3'), got 'yarn'"),
+     "config field 'rope_scaling.rope_type' must be one of ('default', 'linear', 'llama3', 'longrope'), got 'yarn'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ValueError,
      "config field 'rope_scaling.low_freq_factor' is missing"),
     # sizes the checkpoint does not have: checked against the safetensors header, nothing is read

@@ -61,7 +61,7 @@ def reference(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_mqa", "llama_odd"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "llama_mqa", "llama_odd", "phi3"])
 def test_tp2_equals_tp1(kind, tiny_model_factory, reference):
     folder = tiny_model_factory(kind)[0]
     _assert_same(_run(folder, 2), reference(kind))

@@ -30,6 +30,14 @@ def hf_config(kind: str):
         return tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True)
     if kind == "qwen3":
         return tf.Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=True)
+    if kind == "phi3":   # fused qkv / gate_up in the checkpoint; a window shorter than the longest sequences
+        return tf.Phi3Config(**COMMON, sliding_window=48, tie_word_embeddings=False, pad_token_id=0)
+    if kind == "phi3_longrope":   # long factors from position 32 on; attention factor sqrt(1 + ln 4 / ln 32)
+        half = COMMON["hidden_size"] // COMMON["num_attention_heads"] // 2
+        rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.05 * i for i in range(half)],
+                    long_factor=[1.0 + 0.7 * i for i in range(half)])
+        return tf.Phi3Config(**{**COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=32,
+                             rope_parameters=rope, tie_word_embeddings=True, pad_token_id=0)
     raise ValueError(kind)
 
 

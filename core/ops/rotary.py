@@ -1,4 +1,5 @@
-"""The "rotary" role's reference: rotary position embeddings (default, linear and llama3 scaling), HF-exact."""
+"""The "rotary" role's reference: rotary position embeddings (default, linear, llama3 and longrope
+scaling), HF-exact."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Any
 
 import torch
+
+from polyrunner.ops.longrope import longrope_tables
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -48,11 +51,15 @@ class RotaryEmbedding(torch.nn.Module):
         head_dim, max_positions, theta, scaling = self._args
         if self.cos.device.type == "meta":
             return
-        inv_freq = inv_frequencies(head_dim, theta, scaling)  # on the host, then moved
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.cos.device)
-        self.sin = emb.sin().to(self.sin.device)
+        if scaling is not None and scaling["rope_type"] == "longrope":   # frequencies depend on the position
+            cos, sin = longrope_tables(head_dim, max_positions, theta, scaling)
+        else:
+            inv_freq = inv_frequencies(head_dim, theta, scaling)  # on the host, then moved
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        self.cos = cos.to(self.cos.device)
+        self.sin = sin.to(self.sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
