@@ -16,7 +16,7 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   written for as its own `PLUGIN_API_VERSION = "1.0"`; `PluginVersionError` when
   it is missing or not implemented here);
 - the backend contract: `Backend`, `Availability`, `Capabilities`,
-  `SAMPLING_FEATURES`, `GraphExecutor`, `ModelInputs`, `HostFuture`;
+  `SAMPLING_FEATURES`, `ATTENTION_FEATURES`, `GraphExecutor`, `ModelInputs`, `HostFuture`;
 - padding: `BucketPolicy` and the bucket-list helpers `capture_sizes`
   (CUDA-graph style), `exponential_sizes` (powers of two) and
   `gap_incremental_sizes` (TPU style);
@@ -61,6 +61,7 @@ from polyrunner.attention.reference import causal_mask, reference_paged_attentio
 from polyrunner.attention.static_shape import TOKEN_BLOCK_TABLES, static_shape_paged_attention
 from polyrunner.config import EngineConfig, UsageContext
 from polyrunner.device.backend import (
+    ATTENTION_FEATURES,
     SAMPLING_FEATURES,
     Availability,
     Backend,
@@ -122,8 +123,8 @@ __all__ = [
     # registration
     "hookimpl", "register", "PLUGIN_API_VERSION", "PluginVersionError",
     # the backend contract
-    "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "GraphExecutor", "ModelInputs",
-    "HostFuture", "EngineConfig", "UsageContext", "resolved_max_model_len", "StepInputs",
+    "Backend", "Availability", "Capabilities", "SAMPLING_FEATURES", "ATTENTION_FEATURES", "GraphExecutor",
+    "ModelInputs", "HostFuture", "EngineConfig", "UsageContext", "resolved_max_model_len", "StepInputs",
     # padding buckets
     "BucketPolicy", "GraphBucketPolicy", "capture_sizes", "exponential_sizes", "gap_incremental_sizes",
     # KV cache

@@ -17,7 +17,8 @@ returns `[T_pad, Hq, D]`.
   prompt attends to its own k/v with `is_causal`; a request with cached
   context attends to its gathered blocks with a lower-right causal bias
   (`torch.nn.attention.bias.causal_lower_right`, no mask tensor, so fused
-  kernels stay eligible); a sliding window needs a boolean mask.
+  kernels stay eligible); a sliding window needs a boolean mask; a soft cap
+  (`spec.logits_soft_cap`) takes the float32 formula (`capped_attention`).
 - Static decode (`meta.extras[STATIC_DECODE]`, set by the graph executor for
   graph capture): every row is a decode over the full block-table width,
   with no host metadata, so the whole op can be captured in a graph. Rows with
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.attention.reference import causal_mask, gather_context, write_kv
+from polyrunner.attention.reference import capped_attention, causal_mask, gather_context, soft_cap, write_kv
 from polyrunner.numeric import cdiv
 
 STATIC_DECODE = "static_decode"
@@ -76,7 +77,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         # Slots past a request's length may hold anything (a backend may leave them
         # uninitialised): the scores are overwritten and the values zeroed, so NaN
         # garbage cannot leak through 0 * NaN.
-        s = torch.matmul(qf, kc).masked_fill(~valid[:, None, None, :], float("-inf"))
+        s = soft_cap(torch.matmul(qf, kc), spec.logits_soft_cap).masked_fill(~valid[:, None, None, :], float("-inf"))
         vc = vc.masked_fill(~valid[:, None, :, None], 0.0)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -97,6 +98,10 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: to
     else:
         ck, cv = gather_context(kv_cache, block_ids, seq_len)
         ck, cv = ck.to(q.dtype), cv.to(q.dtype)
+    if spec.logits_soft_cap is not None:  # SDPA cannot cap scores: the float32 formula
+        mask = causal_mask(n, seq_len, spec.sliding_window, q.device)
+        return capped_attention(q.transpose(0, 1), ck.transpose(0, 1), cv.transpose(0, 1), mask,
+                                spec).transpose(0, 1)
     groups = spec.num_heads // spec.num_kv_heads
     if groups > 1:  # explicit GQA expansion (linear memory) keeps every fused SDPA kernel eligible
         ck, cv = ck.repeat_interleave(groups, dim=1), cv.repeat_interleave(groups, dim=1)

@@ -33,6 +33,7 @@ class LayerSpec:
     head_size: int
     scale: float
     sliding_window: int | None = None
+    logits_soft_cap: float | None = None   # scores become cap * tanh(scores / cap) (Gemma 2), vLLM's name
 
 
 @dataclass

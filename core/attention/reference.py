@@ -35,6 +35,23 @@ def causal_mask(num_queries: int, seq_len: int, sliding_window: int | None,
     return mask
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`cap * tanh(scores / cap)` (attention logit soft-capping); `scores` unchanged when cap is None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     spec: LayerSpec) -> torch.Tensor:
+    """Soft-capped attention in float32: q `[Hq, n, D]`, k/v `[Hkv, L, D]`, bool mask `[n, L]`
+    -> `[Hq, n, D]` in q's dtype. Scores are scaled, capped, then masked (what SDPA cannot do)."""
+    groups = spec.num_heads // spec.num_kv_heads
+    kf = k.float().repeat_interleave(groups, dim=0)
+    vf = v.float().repeat_interleave(groups, dim=0)
+    scores = soft_cap(torch.matmul(q.float(), kf.transpose(1, 2)) * spec.scale, spec.logits_soft_cap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, vf).to(q.dtype)
+
+
 def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor,
                    seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values `[seq_len, Hkv, D]` of one request, from its block ids."""
@@ -50,6 +67,8 @@ def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q: `[T_pad, Hq, D]`, k/v: `[T_pad, Hkv, D]`; returns `[T_pad, Hq, D]` with
     padded rows zero. Loops over requests (host metadata), never over tokens.
+    `spec.sliding_window` limits each query to its last window keys; `spec.logits_soft_cap`
+    caps the scaled scores (`soft_cap`) before the mask and softmax.
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     out = torch.zeros_like(q)
@@ -60,6 +79,10 @@ def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         num_blocks = cdiv(seq_len, block_size)
         ck, cv = gather_context(kv_cache, meta.block_tables[r, :num_blocks].long(), seq_len)
         mask = causal_mask(end - start, seq_len, spec.sliding_window, q.device)
+        if spec.logits_soft_cap is not None:
+            out[start:end] = capped_attention(q[start:end].transpose(0, 1), ck.transpose(0, 1),
+                                              cv.transpose(0, 1), mask, spec).transpose(0, 1)
+            continue
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), ck.transpose(0, 1).to(q.dtype),
             cv.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=spec.scale,

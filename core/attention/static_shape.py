@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
-from polyrunner.attention.reference import write_kv
+from polyrunner.attention.reference import soft_cap, write_kv
 
 TOKEN_BLOCK_TABLES = "token_block_tables"
 
@@ -40,7 +40,8 @@ def static_shape_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Write k/v, then attend each token to its request's context up to its position.
 
     q: `[T_pad, Hq, D]`, k/v: `[T_pad, Hkv, D]`, kv_cache: `[2, NB, bs, Hkv, D]`
-    (logical layout). Returns `[T_pad, Hq, D]`; padded rows hold finite garbage.
+    (logical layout). Returns `[T_pad, Hq, D]`; padded rows hold finite garbage. A soft cap
+    (`spec.logits_soft_cap`) applies to the scaled scores before the causal/window mask.
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     T, num_heads, head = q.shape
@@ -51,7 +52,7 @@ def static_shape_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     values = kv_cache[1][tables].reshape(T, ctx, num_kv, head)
     group = num_heads // num_kv
     qg = q.reshape(T, num_kv, group, head).float()
-    scores = torch.einsum("thgd,tlhd->thgl", qg, keys.float()) * spec.scale
+    scores = soft_cap(torch.einsum("thgd,tlhd->thgl", qg, keys.float()) * spec.scale, spec.logits_soft_cap)
     k_pos = torch.arange(ctx, device=q.device).unsqueeze(0)        # [1, L]
     q_pos = meta.positions.unsqueeze(1)                            # [T, 1]
     visible = k_pos <= q_pos

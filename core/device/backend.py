@@ -66,6 +66,10 @@ SAMPLING_FEATURES = frozenset({
     "structured_outputs",
 })
 
+# Attention features a model may need of `Backend.attention` (`LayerSpec` fields): per-layer
+# "sliding_window" and "logits_soft_cap" (scores become cap * tanh(scores / cap), Gemma 2).
+ATTENTION_FEATURES = frozenset({"sliding_window", "logits_soft_cap"})
+
 
 @dataclass(frozen=True)
 class Availability:
@@ -100,6 +104,8 @@ class Capabilities:
     distributed_backend: the torch.distributed backend its ranks talk over for
       tensor parallelism ("gloo", "nccl", "hccl"); None refuses
       tensor_parallel_size > 1.
+    attention_features: the `ATTENTION_FEATURES` its attention honours; the engine
+      refuses at start a model whose layers need another one, naming it.
     """
 
     graph_mode: str = "eager"
@@ -109,6 +115,7 @@ class Capabilities:
     sampling: frozenset[str] = SAMPLING_FEATURES
     async_scheduling: bool = False
     distributed_backend: str | None = None
+    attention_features: frozenset[str] = ATTENTION_FEATURES
 
 
 @dataclass

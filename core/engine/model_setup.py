@@ -22,6 +22,7 @@ from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Backend
 from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
 from polyrunner.distributed.shard import TPShard
+from polyrunner.engine.attention_check import check_attention_features
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.context_length import max_model_len
 from polyrunner.models.gguf.quantized import quantizer, select_quantization
@@ -63,6 +64,7 @@ def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | Non
                 backend.name, rank)
     folder, hf_config, arch = read_arch(config)
     model_cls = resolve_model_class(arch.architecture)
+    check_attention_features(arch, backend)
     limit = max_model_len(arch, config)
     if config.model.dtype == "auto":
         dtype, why = backend.resolve_dtype(checkpoint_dtype(hf_config))

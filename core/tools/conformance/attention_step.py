@@ -29,12 +29,15 @@ def write_step(ctx, backend, num_blocks: int):
     return batch, batch.step(max(T_pad, T + 3), max(R_pad, R))
 
 
-def attend(ctx, backend, step, caches, layer: int, rng):
+def attend(ctx, backend, step, caches, layer: int, rng, sliding_window: int | None = None,
+           logits_soft_cap: float | None = None):
     """Random q/k/v for every (padded) token of `step` through `backend.attention`
-    on `caches[layer]`: (q, k, v, output, layer_spec), q/k/v on the host."""
+    on `caches[layer]`: (q, k, v, output, layer_spec), q/k/v on the host. The layer
+    has the given window and soft cap (default: neither)."""
     spec = ctx.kv_spec()
     a = ctx.arch
-    layer_spec = LayerSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, None)
+    layer_spec = LayerSpec(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim ** -0.5, sliding_window,
+                           logits_soft_cap)
     inputs = model_inputs(backend, step, caches)
     T_pad = len(step.slot_mapping)
     gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))

@@ -133,6 +133,30 @@ def check_prepared_equals_eager(ctx) -> str:
 def check_attention_matches_reference(ctx) -> str:
     """The backend's attention op gives the reference paged attention's output
     for the real tokens of a padded decode + prefill step."""
+    return _attention_vs_reference(ctx)
+
+
+@check("execution", requires=("attention:logits_soft_cap",), depends_on=(PADS, "kv_cache::slot_mapping_writes"))
+def check_attention_soft_cap_matches_reference(ctx) -> str:
+    """With a logit soft cap (Gemma 2) the attention op still gives the reference's output."""
+    return _attention_vs_reference(ctx, logits_soft_cap=SOFT_CAP)
+
+
+@check("execution", requires=("attention:sliding_window",), depends_on=(PADS, "kv_cache::slot_mapping_writes"))
+def check_attention_sliding_window_matches_reference(ctx) -> str:
+    """With a sliding window shorter than the contexts (and with a soft cap too, where the
+    backend declares both) the attention op gives the reference's output."""
+    note = _attention_vs_reference(ctx, sliding_window=ctx.kv_spec().block_size // 2 + 1)
+    if "logits_soft_cap" not in ctx.new_backend().capabilities.attention_features:
+        return note
+    both = _attention_vs_reference(ctx, sliding_window=ctx.kv_spec().block_size // 2 + 1, logits_soft_cap=SOFT_CAP)
+    return f"{note}; with soft cap {both}"
+
+
+SOFT_CAP = 1.5   # below the random scores' spread (standard normal after the scale), so it changes them
+
+
+def _attention_vs_reference(ctx, sliding_window: int | None = None, logits_soft_cap: float | None = None) -> str:
     from polyrunner.attention.reference import reference_paged_attention
     backend = ctx.new_backend()
     spec = ctx.kv_spec()
@@ -145,7 +169,8 @@ def check_attention_matches_reference(ctx) -> str:
     ref_caches = [t.cpu().clone().contiguous() for t in caches]
     _, step = write_step(ctx, backend, num_blocks)
     layer = 0
-    q, k, v, out, layer_spec = attend(ctx, backend, step, caches, layer, np.random.default_rng(2))
+    q, k, v, out, layer_spec = attend(ctx, backend, step, caches, layer, np.random.default_rng(2), sliding_window,
+                                      logits_soft_cap)
     meta = model_inputs(HostDevice(), step, ref_caches).attn
     ref = reference_paged_attention(q, k, v, ref_caches[layer], meta, layer_spec)
     T = step.num_tokens

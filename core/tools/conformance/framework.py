@@ -10,6 +10,7 @@ the report can say which capability excused it) or through `packages`
 
     "counts_graphs", "static_shapes"                   a truthy capability flag
     "sampling:<feature>"                               feature in capabilities.sampling
+    "attention:<feature>"                              feature in capabilities.attention_features
     "dtype:<name>"                                     torch.<name> in capabilities.dtypes
     "devices:<n>"                                      Backend.device_count() >= n on this host
     "!static_shapes"                                   a falsy capability flag (the feature is refused there)
@@ -190,6 +191,10 @@ def unmet_requirements(caps: "Capabilities", requires: Iterable[str],
             feature = req.split(":", 1)[1]
             if feature not in caps.sampling:
                 unmet.append(f"capabilities.sampling lacks {feature!r}")
+        elif req.startswith("attention:"):
+            feature = req.split(":", 1)[1]
+            if feature not in caps.attention_features:
+                unmet.append(f"capabilities.attention_features lacks {feature!r}")
         elif req.startswith("dtype:"):
             name = req.split(":", 1)[1]
             if getattr(torch, name) not in caps.dtypes:

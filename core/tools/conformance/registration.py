@@ -84,7 +84,7 @@ def check_probe_never_raises(ctx) -> str:
 @check("registration", depends_on=("registration::discovered",))
 def check_declared_identity(ctx) -> str:
     """Name, priority, capabilities and KV alignment are well-formed declarations."""
-    from polyrunner.device.backend import SAMPLING_FEATURES, Capabilities
+    from polyrunner.device.backend import ATTENTION_FEATURES, SAMPLING_FEATURES, Capabilities
     cls = ctx.backend_cls
     expect(cls is not None, f"backend {ctx.backend_name!r} is not registered")
     expect(cls.name == ctx.backend_name, f"class name attribute {cls.name!r} != {ctx.backend_name!r}")
@@ -96,6 +96,8 @@ def check_declared_identity(ctx) -> str:
            f"capabilities.dtypes must be a non-empty tuple of torch dtypes, got {caps.dtypes!r}")
     unknown = set(caps.sampling) - SAMPLING_FEATURES
     expect(not unknown, f"capabilities.sampling names unknown features {sorted(unknown)}")
+    unknown = set(caps.attention_features) - ATTENTION_FEATURES
+    expect(not unknown, f"capabilities.attention_features names unknown features {sorted(unknown)}")
     a = cls.kv_alignment_bytes
     expect(isinstance(a, int) and a >= 1, f"kv_alignment_bytes must be an int >= 1, got {a!r}")
     return f"graph_mode={caps.graph_mode} static_shapes={caps.static_shapes} counts_graphs={caps.counts_graphs}"
