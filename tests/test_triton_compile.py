@@ -113,7 +113,7 @@ def compile_all(arch: int) -> dict[str, dict[str, int]]:
             launch = launch_params(head, getattr(torch, TORCH_DTYPES[dt]), group, kind == "decode")
             consts = dict(NUM_HEADS=2 * group, G=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16,
                           TILE=launch.tile, BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q, WINDOW=window,
-                          SEGMENTS=segments, IEEE=dt == "fp32", q_sd=1, o_sd=1, kc_sd=1, vc_sd=1)
+                          SEGMENTS=segments, IEEE=dt == "fp32", SOFTCAP=0.0, q_sd=1, o_sd=1, kc_sd=1, vc_sd=1)
             if one_req:
                 consts["num_reqs"] = 1  # what Triton's specialisation of an argument equal to 1 gives
             name = f"attention {dt} {kind} G={group} segments={segments} window={window} head={head}"

@@ -8,6 +8,8 @@ go through `prefill_attention.cpp` (packed keys/values, `vdpbf16ps` tiles:
 prefill steps of W1 ~30% faster than torch's flash attention gave); otherwise through
 `scaled_dot_product_attention`: a fresh prompt attends its own k/v with
 `is_causal`; a chunk with earlier context gathers that request's blocks once.
+SDPA has no logit soft cap: a soft-capped layer's (Gemma 2) prefills that the bfloat16
+kernel does not take run the C++ kernel's general loops (`attend`) instead.
 
 Under `torch.compile` (the backend itself runs eagerly; this is for callers
 that compile the model) the kernel is the custom op
@@ -34,10 +36,11 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         spec: LayerSpec) -> torch.Tensor:
     """Same contract as `reference_paged_attention`; padded rows are zero."""
     window = spec.sliding_window or 0
+    softcap = spec.logits_soft_cap or 0.0
     if torch.compiler.is_compiling():
         out = torch.zeros_like(q)
         kernels.paged_attention_op(q, k, v, kv_cache, meta.slot_mapping, meta.query_start_loc,
-                                   meta.seq_lens, meta.block_tables, out, spec.scale, window)
+                                   meta.seq_lens, meta.block_tables, out, spec.scale, window, softcap)
         return out
     if not kernels.kernel_supports(q, kv_cache):
         global _warned
@@ -53,11 +56,15 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     nd, R = meta.num_decodes, meta.num_reqs
     kernels.call_kernel(q, k, v, kv_cache, meta.slot_mapping, meta.num_padded_tokens,
                         meta.query_start_loc, meta.seq_lens, meta.block_tables, out,
-                        0, nd, spec.scale, window)
+                        0, nd, spec.scale, window, softcap)
     if R > nd and not kernels.prefill_attention_bf16(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                                       meta.block_tables, out, nd, R, spec.scale, window,
-                                                      prefill_uses_amx(q, kv_cache)):
-        _prefill(q, k, v, kv_cache, meta, spec, out, nd, R)
+                                                      prefill_uses_amx(q, kv_cache), softcap):
+        if softcap:   # SDPA cannot cap the scores: the kernel's general loops (k/v already written)
+            kernels.call_kernel(q, k, v, kv_cache, meta.slot_mapping, 0, meta.query_start_loc, meta.seq_lens,
+                                meta.block_tables, out, nd, R, spec.scale, window, softcap)
+        else:
+            _prefill(q, k, v, kv_cache, meta, spec, out, nd, R)
     return out
 
 

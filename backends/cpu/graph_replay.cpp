@@ -30,7 +30,7 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
                        void* cache, int64_t NB, int64_t bs, int64_t Hq, int64_t Hkv, int64_t D,
                        const int64_t* slots, int64_t num_write, const int32_t* qsl, const int32_t* seq_lens,
                        const int32_t* bt, int64_t bt_stride, void* out, int64_t o_ts, int64_t r_begin,
-                       int64_t r_end, float scale, int64_t window);
+                       int64_t r_end, float scale, int64_t window, float softcap);
 
 // dst[i] = src[idx[i]] for rows of row_bytes bytes (an embedding lookup).
 void pr_gather_rows(const uint8_t* src, int64_t row_bytes, const int64_t* idx, int64_t n, uint8_t* dst) {
@@ -89,7 +89,7 @@ int run(const int64_t* r) {
       return pr_paged_attention(int(a[0]), p<void>(a[1]), a[2], p<void>(a[3]), a[4], p<void>(a[5]), a[6],
                                 p<void>(a[7]), a[8], a[9], a[10], a[11], a[12], p<const int64_t>(a[13]), a[14],
                                 p<const int32_t>(a[15]), p<const int32_t>(a[16]), p<const int32_t>(a[17]), a[18],
-                                p<void>(a[19]), a[20], a[21], a[22], f(a[23]), a[24]);
+                                p<void>(a[19]), a[20], a[21], a[22], f(a[23]), a[24], f(a[25]));
     case GATHER_ROWS:
       pr_gather_rows(p<const uint8_t>(a[0]), a[1], p<const int64_t>(a[2]), a[3], p<uint8_t>(a[4]));
       return 0;

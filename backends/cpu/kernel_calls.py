@@ -19,7 +19,7 @@ REPLAYABLE = ("pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16", "p
               "pr_rms_norm_bf16", "pr_add_rms_norm_bf16", "pr_silu_mul_bf16", "pr_rotary_bf16",
               "pr_paged_attention", "pr_gather_rows")
 KERNEL_IDS = {name: i + 1 for i, name in enumerate(REPLAYABLE)}
-MAX_ARGS = 26  # arguments a record holds (pr_paged_attention has 25)
+MAX_ARGS = 26  # arguments a record holds (pr_paged_attention has 26)
 
 
 class NotReplayable(RuntimeError):

@@ -177,8 +177,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.pr_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                   ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64]
+                   ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float]
     lib.pr_simd_bf16.restype = ctypes.c_int
+    lib.pr_softcap_scores.restype = ctypes.c_int
+    lib.pr_softcap_scores.argtypes = [ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
     lib.pr_rms_norm_bf16.restype = None
     lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
     lib.pr_add_rms_norm_bf16.restype = None
@@ -208,7 +210,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
     lib.pr_prefill_attention_bf16.restype = ctypes.c_int
     lib.pr_prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
-                                              i64, i64, ctypes.c_float, i64, i64]
+                                              i64, i64, ctypes.c_float, i64, ctypes.c_float, i64]
     lib.pr_prefill_attention_amx.restype = ctypes.c_int
     lib.pr_gather_rows.restype = None
     lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
@@ -249,9 +251,10 @@ def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 slot_mapping: torch.Tensor, num_write: int, query_start_loc: torch.Tensor,
                 seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-                r_begin: int, r_end: int, scale: float, window: int) -> None:
+                r_begin: int, r_end: int, scale: float, window: int, softcap: float = 0.0) -> None:
     """Write `num_write` tokens' k/v into their slots, then attend requests
-    [r_begin, r_end) into `out`. Tensors as in `paged_attention.cpp`; q, k, v and
+    [r_begin, r_end) into `out` (any number of queries each; `softcap` > 0: scores become
+    softcap * tanh(score / softcap), 0: none). Tensors as in `paged_attention.cpp`; q, k, v and
     out need unit stride on the head dim and head stride D."""
     _, NB, bs, Hkv, D = kv_cache.shape
     Hq = q.shape[1]
@@ -262,16 +265,18 @@ def call_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tor
         _lib.pr_paged_attention, DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
         v.data_ptr(), v.stride(0), kv_cache.data_ptr(), NB, bs, Hq, Hkv, D, slot_mapping.data_ptr(), num_write,
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window)
+        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window, float(softcap))
     if rc != 0:
         raise RuntimeError(f"CPU paged attention kernel failed (code {rc})")
 
 
 def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-                           r_begin: int, r_end: int, scale: float, window: int, amx: bool = False) -> bool:
+                           r_begin: int, r_end: int, scale: float, window: int, amx: bool = False,
+                           softcap: float = 0.0) -> bool:
     """Attend requests [r_begin, r_end) (their keys and values already in the cache) into
-    `out` with `prefill_attention.cpp` (`amx`: its AMX variant); False when it does not run here
+    `out` with `prefill_attention.cpp` (`amx`: its AMX variant; `softcap` as `call_kernel`'s);
+    False when it does not run here
     (not bfloat16, head dim not 64/128, no AVX512_BF16 (or AMX) build,
     `POLYRUNNER_CPU_PREFILL_KERNEL=0`): use SDPA."""
     if (q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or _lib is None
@@ -283,7 +288,7 @@ def prefill_attention_bf16(q: torch.Tensor, kv_cache: torch.Tensor, query_start_
     return call(   # (not replayable: a capture that reached it would fail, not skip it)
         _lib.pr_prefill_attention_bf16, q.data_ptr(), q.stride(0), kv_cache.data_ptr(), NB, bs, q.shape[1], Hkv, D,
         query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window, int(amx)) == 0
+        out.data_ptr(), out.stride(0), r_begin, r_end, scale, window, float(softcap), int(amx)) == 0
 
 
 def prefill_attention_amx_reason() -> str | None:
@@ -472,12 +477,13 @@ def dpbf16_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.T
 @torch.library.custom_op("polyrunner_cpu::paged_attention", mutates_args=("kv_cache", "out"))
 def paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                        slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                       block_tables: torch.Tensor, out: torch.Tensor, scale: float, window: int) -> None:
+                       block_tables: torch.Tensor, out: torch.Tensor, scale: float, window: int,
+                       softcap: float = 0.0) -> None:
     """All tokens written, all requests attended (padded requests have seq_len 0)."""
     call_kernel(q, k, v, kv_cache, slot_mapping, slot_mapping.shape[0], query_start_loc, seq_lens,
-                block_tables, out, 0, seq_lens.shape[0], scale, window)
+                block_tables, out, 0, seq_lens.shape[0], scale, window, softcap)
 
 
 @paged_attention_op.register_fake
-def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, out, scale, window):
+def _(q, k, v, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, out, scale, window, softcap=0.0):
     return None

@@ -13,7 +13,8 @@
 //   out    [T, Hq, D]     token stride o_ts, head stride D
 //   qsl    [R + 1] int32, seq_lens [R] int32, block_tables [R, bt_stride] int32
 // Query i of request r sits at position seq_lens[r] - n_q + i; it sees keys at
-// positions p <= its own and, with a sliding window w > 0, p > pos - w.
+// positions p <= its own and, with a sliding window w > 0, p > pos - w. With a logit
+// soft cap c > 0 (Gemma 2) each scaled score s becomes c * tanh(s / c) first.
 // Requests with no queries or seq_len 0 (padding) are skipped; output rows of
 // tokens outside [qsl[r_begin], qsl[r_end]) are not touched.
 
@@ -77,6 +78,20 @@ inline float fast_exp(float x) {
   bits += uint32_t(int32_t(n)) << 23;
   std::memcpy(&p, &bits, 4);
   return p;
+}
+
+// Attention logit soft cap (Gemma 2): cap * tanh(s / cap) on n scores in place (cap > 0). tanh as
+// simd_exp.h's tanh16, branch-free so the loop vectorises: odd Taylor polynomial below |x| = 0.3,
+// else (1 - e) / (1 + e) with e = exp(-2|x|) (no overflow), the sign put back; -inf stays -inf.
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  const float inv = 1.f / cap, NEG = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = s[j] * inv, a = std::fabs(x), a2 = a * a;
+    const float e = fast_exp(-2.f * a);
+    const float big = (1.f - e) / (1.f + e);
+    const float small = a + a * a2 * (-1.f / 3.f + a2 * (2.f / 15.f + a2 * (-17.f / 315.f + a2 * (62.f / 2835.f))));
+    s[j] = s[j] == NEG ? NEG : cap * std::copysign(a < 0.3f ? small : big, x);
+  }
 }
 
 #ifdef PR_BF16_DOT
@@ -170,7 +185,7 @@ template <typename T>
 void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, int64_t Hkv,
             int64_t D, const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt,
             int64_t bt_stride, T* out, int64_t o_ts, int64_t r_begin, int64_t r_end, int64_t Hq,
-            float scale, int64_t window) {
+            float scale, int64_t window, float softcap) {
   const int64_t G = Hq / Hkv;
   const int64_t row = Hkv * D;  // elements of one token's keys (all heads)
   const T* kc = cache;
@@ -240,11 +255,10 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
             const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (q0 + t0 + i) * q_ts + h * D;
             const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb) + hk * D;
             const float* vh = &vf[hk * D];
-            if (D == 64) {
-              update16<4>(scores16<2>(qb, kh, row, ja, jb, scale), ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
-            } else {
-              update16<8>(scores16<4>(qb, kh, row, ja, jb, scale), ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
-            }
+            __m512 sc = D == 64 ? scores16<2>(qb, kh, row, ja, jb, scale) : scores16<4>(qb, kh, row, ja, jb, scale);
+            if (softcap > 0.f) sc = softcap16(sc, softcap);
+            if (D == 64) update16<4>(sc, ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
+            else update16<8>(sc, ja, jb, vh, row, &m[rr], &l[rr], &acc[rr * D]);
             continue;
           }
 #endif
@@ -253,11 +267,7 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
           if (bf16_dot) {
             const uint16_t* qb = reinterpret_cast<const uint16_t*>(q) + (q0 + t0 + i) * q_ts + h * D;
             const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb) + hk * D;
-            for (int64_t j = ja; j < jb; ++j) {
-              const float dot = dot_bf16(qb, kh + j * row, D / 32) * scale;
-              s[j] = dot;
-              mx = std::max(mx, dot);
-            }
+            for (int64_t j = ja; j < jb; ++j) s[j] = dot_bf16(qb, kh + j * row, D / 32) * scale;
           } else
 #endif
           {
@@ -267,9 +277,10 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
               float dot = 0.f;
               for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
               s[j] = dot;
-              mx = std::max(mx, dot);
             }
           }
+          if (softcap > 0.f) softcap_scores(&s[ja], jb - ja, softcap);
+          for (int64_t j = ja; j < jb; ++j) mx = std::max(mx, s[j]);
           const float corr = fast_exp(m[rr] - mx);
           m[rr] = mx;
           float sum = 0.f;
@@ -327,7 +338,7 @@ struct DecodeCall {
   T* out;
   int64_t q_ts, o_ts, bs, Hkv, D, G, bt_stride;
   const int32_t *qsl, *seq_lens, *bt;
-  float scale;
+  float scale, softcap;  // softcap > 0: scores become softcap * tanh(score / softcap)
   std::vector<DecodeItem> items;
   float* part;  // [n_parts][G][D + 2]: acc, m, l
 };
@@ -336,7 +347,7 @@ struct DecodeCall {
 // k + j * row) and the online-softmax update of m, l, acc[G][D]; generic loops.
 template <typename T>
 inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_t ja, int64_t jb, int64_t G,
-                         int64_t D, float scale, float* m, float* l, float* acc) {
+                         int64_t D, float scale, float softcap, float* m, float* l, float* acc) {
   float s[64];
   for (int64_t j0 = ja; j0 < jb; j0 += 64) {
     const int64_t j1 = std::min(jb, j0 + 64);
@@ -348,8 +359,9 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += ld(qg[d]) * ld(kr[d]);
         s[j - j0] = dot * scale;
-        mx = std::max(mx, s[j - j0]);
       }
+      if (softcap > 0.f) softcap_scores(s, j1 - j0, softcap);
+      for (int64_t j = 0; j < j1 - j0; ++j) mx = std::max(mx, s[j]);
       const float corr = fast_exp(m[g] - mx);
       m[g] = mx;
       float sum = 0.f;
@@ -440,7 +452,7 @@ inline void pv16(const uint16_t* v, int64_t row, int64_t a, int64_t b, const flo
 
 template <int NC>
 inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t row, int64_t ja,
-                              int64_t jb, int64_t G, float scale, float* m, float* lv, float* acc,
+                              int64_t jb, int64_t G, float scale, float softcap, float* m, float* lv, float* acc,
                               NextBlock* next) {
   constexpr int D = 32 * NC;
   for (int64_t c0 = ja - ja % 16; c0 < jb; c0 += 16) {
@@ -449,7 +461,8 @@ inline void decode_block_bf16(const uint16_t* q, const uint16_t* k, const uint16
     alignas(64) float p[16][16];  // [g][j]
     float corr[16];
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 s = scores16<NC>(q + g * D, k + c0 * row, row, a, b, scale);
+      __m512 s = scores16<NC>(q + g * D, k + c0 * row, row, a, b, scale);
+      if (softcap > 0.f) s = softcap16(s, softcap);
       corr[g] = 1.f;
       if (_mm512_mask_cmp_ps_mask(valid, s, _mm512_set1_ps(m[g] + RESCALE), _CMP_GT_OQ)) {
         const float mx = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
@@ -525,12 +538,12 @@ void decode_item(void* ctx, int64_t idx, int) {
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kb);
         const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vb);
         float* lvh = lv + h * G * 16;
-        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, &next);
-        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, mh, lvh, ah, &next);
+        if (D == 64) decode_block_bf16<2>(q16, k16, v16, row, ja, jb, G, c.scale, c.softcap, mh, lvh, ah, &next);
+        else decode_block_bf16<4>(q16, k16, v16, row, ja, jb, G, c.scale, c.softcap, mh, lvh, ah, &next);
         continue;
       }
 #endif
-      decode_block<T>(qh, kb, vb, row, ja, jb, G, D, c.scale, mh, lh, ah);
+      decode_block<T>(qh, kb, vb, row, ja, jb, G, D, c.scale, c.softcap, mh, lh, ah);
     }
   }
 #ifdef PR_BF16_DOT
@@ -558,13 +571,14 @@ void decode_item(void* ctx, int64_t idx, int) {
 template <typename T>
 bool decode(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, int64_t Hkv, int64_t D,
             const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride, T* out,
-            int64_t o_ts, int64_t r_begin, int64_t r_end, int64_t Hq, float scale, int64_t window, int threads) {
+            int64_t o_ts, int64_t r_begin, int64_t r_end, int64_t Hq, float scale, int64_t window, float softcap,
+            int threads) {
   const int64_t G = Hq / Hkv;
   if (G * D > DEC_MAX_GD || G > 16 || D > 512) return false;
   for (int64_t r = r_begin; r < r_end; ++r)
     if (int64_t(qsl[r + 1]) - qsl[r] > 1) return false;
   DecodeCall<T> c{q, cache, cache + NB * bs * Hkv * D, out, q_ts, o_ts, bs, Hkv, D, G, bt_stride,
-                  qsl, seq_lens, bt, scale, {}, nullptr};
+                  qsl, seq_lens, bt, scale, softcap, {}, nullptr};
   int64_t reqs = 0;
   for (int64_t r = r_begin; r < r_end; ++r) reqs += (qsl[r + 1] > qsl[r] && seq_lens[r] > 0) ? 1 : 0;
   const bool whole = reqs >= 2 * threads && Hq * D <= DEC_MAX_GD && Hq <= DEC_MAX_GD / 32;  // all heads per item
@@ -629,41 +643,65 @@ void run(void* q, int64_t q_ts, void* k, int64_t k_ts, void* v, int64_t v_ts, vo
          int64_t NB, int64_t bs, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* slots,
          int64_t num_write, const int32_t* qsl, const int32_t* seq_lens, const int32_t* bt,
          int64_t bt_stride, void* out, int64_t o_ts, int64_t r_begin, int64_t r_end, float scale,
-         int64_t window) {
+         int64_t window, float softcap) {
   if (num_write > 0)
     write_kv<T>(static_cast<const T*>(k), k_ts, static_cast<const T*>(v), v_ts,
                 static_cast<T*>(cache), NB * bs, slots, num_write, Hkv, D);
   if (r_end > r_begin && !decode<T>(static_cast<const T*>(q), q_ts, static_cast<const T*>(cache), NB, bs, Hkv, D,
                                     qsl, seq_lens, bt, bt_stride, static_cast<T*>(out), o_ts, r_begin, r_end, Hq,
-                                    scale, window, pr::pool_helpers() + 1))
+                                    scale, window, softcap, pr::pool_helpers() + 1))
     attend<T>(static_cast<const T*>(q), q_ts, static_cast<const T*>(cache), NB, bs, Hkv, D, qsl,
               seq_lens, bt, bt_stride, static_cast<T*>(out), o_ts, r_begin, r_end, Hq, scale,
-              window);
+              window, softcap);
 }
 
 }  // namespace
 
 extern "C" {
 
-// dtype: 0 = float32, 1 = bfloat16 (q, k, v, cache and out share it).
+// dtype: 0 = float32, 1 = bfloat16 (q, k, v, cache and out share it). softcap > 0: scores
+// (after the scale) become softcap * tanh(score / softcap) before the mask and softmax; 0: none.
 int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, void* v,
                        int64_t v_ts, void* cache, int64_t NB, int64_t bs, int64_t Hq, int64_t Hkv,
                        int64_t D, const int64_t* slots, int64_t num_write, const int32_t* qsl,
                        const int32_t* seq_lens, const int32_t* bt, int64_t bt_stride, void* out,
-                       int64_t o_ts, int64_t r_begin, int64_t r_end, float scale, int64_t window) {
+                       int64_t o_ts, int64_t r_begin, int64_t r_end, float scale, int64_t window,
+                       float softcap) {
   if (Hkv <= 0 || Hq % Hkv != 0) return 2;
+  if (!(softcap >= 0.f)) return 3;  // negative or NaN
   if (dtype == 0)
     run<float>(q, q_ts, k, k_ts, v, v_ts, cache, NB, bs, Hq, Hkv, D, slots, num_write, qsl,
-               seq_lens, bt, bt_stride, out, o_ts, r_begin, r_end, scale, window);
+               seq_lens, bt, bt_stride, out, o_ts, r_begin, r_end, scale, window, softcap);
   else if (dtype == 1)
     run<uint16_t>(q, q_ts, k, k_ts, v, v_ts, cache, NB, bs, Hq, Hkv, D, slots, num_write, qsl,
-                  seq_lens, bt, bt_stride, out, o_ts, r_begin, r_end, scale, window);
+                  seq_lens, bt, bt_stride, out, o_ts, r_begin, r_end, scale, window, softcap);
   else
     return 1;
   return 0;
 }
 
 int pr_abi_version() { return 1; }
+
+// out[j] = cap * tanh(s[j] / cap) for n floats by the kernels' soft cap: `simd` 1 the AVX-512
+// softcap16 (returns 1 when this build has no AVX-512F code), 0 the portable loop. For tests.
+int pr_softcap_scores(const float* s, float* out, int64_t n, float cap, int simd) {
+  if (simd) {
+#if defined(__AVX512F__) && !defined(PR_PORTABLE)
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(out + j, softcap16(_mm512_loadu_ps(s + j), cap));
+    if (j < n) {
+      const __mmask16 tail = __mmask16((1u << (n - j)) - 1u);
+      _mm512_mask_storeu_ps(out + j, tail, softcap16(_mm512_maskz_loadu_ps(tail, s + j), cap));
+    }
+    return 0;
+#else
+    return 1;
+#endif
+  }
+  std::copy(s, s + n, out);
+  softcap_scores(out, n, cap);
+  return 0;
+}
 
 // 1 when the AVX-512 BF16 paths (PR_BF16_DOT) are compiled in, else 0.
 int pr_simd_bf16() {

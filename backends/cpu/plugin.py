@@ -15,6 +15,7 @@ from polyrunner.backends.cpu.op_overrides import cpu_op_overrides
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
 from polyrunner.plugin_api import (
+    ATTENTION_FEATURES,
     NULL_BLOCK,
     Availability,
     Backend,
@@ -70,7 +71,8 @@ class CPUBackend(Backend):
 
     name = "cpu"
     priority = 0
-    capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo")
+    capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo",
+                                attention_features=ATTENTION_FEATURES)   # windows and soft caps in every path
     supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)

@@ -10,7 +10,8 @@
 //   P = exp(S - m) online softmax in fp32; P rounded to bfloat16 for the second product
 //   O += P V       dims in lanes: a key pair's values interleaved, P pairs broadcast
 // Layout and masking as paged_attention.cpp (cache [2, NB, bs, Hkv, D]; query i of request r
-// at position seq_lens[r] - n_q + i sees keys p <= pos and, with a window w > 0, p > pos - w).
+// at position seq_lens[r] - n_q + i sees keys p <= pos and, with a window w > 0, p > pos - w; with a
+// logit soft cap c > 0 each scaled score s becomes c * tanh(s / c) first, Gemma 2).
 // Threads: OpenMP (prefill steps run where oneDNN's team is awake), dynamic over
 // (request, KV head) packs, then over (request, head, query tile) items.
 // Returns 0, or 1 when this build/shape is not supported (the caller uses SDPA).
@@ -67,7 +68,7 @@ inline __m512bh bcast_pair(const uint16_t* x) {
 // One tile: queries [t0, t0 + nt) of request (q0, nq, L), head h (KV head via pack p).
 template <int ND>  // D = 16 * ND
 void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, int64_t L, int64_t t0, int64_t nt,
-          Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window) {
+          Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window, float softcap) {
   constexpr int64_t D = 16 * ND, P = D / 2;
   const float NEG = -std::numeric_limits<float>::infinity();
   alignas(64) float acc[QT][D];
@@ -114,6 +115,7 @@ void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, in
         ok[c] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(pos)), _CMP_LE_OQ) &
                 _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(first)), _CMP_GE_OQ);
         v[c] = _mm512_mul_ps(_mm512_load_ps(s[i] + 16 * c), _mm512_set1_ps(scale));
+        if (softcap > 0.f) v[c] = softcap16(v[c], softcap);
         if (ok[c]) mx = std::max(mx, _mm512_mask_reduce_max_ps(ok[c], v[c]));
       }
       if (!(ok[0] | ok[1])) continue;
@@ -159,7 +161,7 @@ namespace {
 // already tile rows: a K tile (32 dims x 16 keys) is 16 dim pairs of the block, stride 32 pairs; a V
 // tile (32 keys x 16 dims) is 16 key pairs, stride D. Tiles: 0-3 sums, 2/4/5 or 4-7 operands.
 void tile_amx(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, int64_t L, int64_t t0, int64_t nt,
-              int64_t D, Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window) {
+              int64_t D, Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window, float softcap) {
   const int64_t P = D / 2;
   const int64_t pos0 = L - nq + t0, pos1 = pos0 + nt - 1;
   const int64_t b0 = (window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0) / KB, b1 = pos1 / KB + 1;
@@ -186,14 +188,15 @@ void tile_amx(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq
     _tile_stored(1, &sbuf[(b - b0) * KB + 16], W * 4);
   }
   float l[QT];
-  const __m512 c = _mm512_set1_ps(scale * 1.4426950408889634f);  // exp(x * scale) = 2^(x * c)
+  // exp(x * scale) = 2^(x * c); with a soft cap the row's S is capped in place first (scale included)
+  const __m512 c = _mm512_set1_ps((softcap > 0.f ? 1.f : scale) * 1.4426950408889634f);
   for (int64_t i = 0; i < QT; ++i) {  // P = exp(S * scale - max) on the keys row i sees, else 0
     uint16_t* pr = &pbuf[i * W];
     if (i >= nt) {
       std::memset(pr, 0, size_t(W) * 2);
       continue;
     }
-    const float* sr = &sbuf[i * W];
+    float* sr = &sbuf[i * W];
     const int64_t pos = pos0 + i, first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
     const int64_t jlo = first - b0 * KB, jhi = pos - b0 * KB;  // the keys row i sees, in buffer columns
     const int64_t c0 = jlo / 16 * 16, c1 = (jhi / 16 + 1) * 16;  // the 16-key chunks holding them
@@ -205,6 +208,9 @@ void tile_amx(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq
       if (jhi - j < 15) bits &= (1u << (jhi - j + 1)) - 1;
       return __mmask16(bits);
     };
+    if (softcap > 0.f)  // S <- softcap * tanh(S * scale / softcap) on the chunks the row sees
+      for (int64_t j = c0; j < c1; j += 16)
+        _mm512_storeu_ps(sr + j, softcap16(_mm512_mul_ps(_mm512_loadu_ps(sr + j), _mm512_set1_ps(scale)), softcap));
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = c0; j < c1; j += 16) {  // scale > 0: the max of S is that of S * scale
       const __m512 s = _mm512_loadu_ps(sr + j);
@@ -269,14 +275,14 @@ int pr_prefill_attention_amx() {
 }
 
 // Attend requests [r_begin, r_end) (bfloat16, D 64 or 128); arguments as pr_paged_attention's
-// (the step's keys and values already in the cache); `amx`: the AMX tiles instead of vdpbf16ps.
-// 0, or 1 when unsupported here.
+// (the step's keys and values already in the cache, `softcap` 0: none); `amx`: the AMX tiles instead
+// of vdpbf16ps. 0, or 1 when unsupported here.
 int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* cache, int64_t NB, int64_t bs,
                               int64_t Hq, int64_t Hkv, int64_t D, const int32_t* qsl, const int32_t* seq_lens,
                               const int32_t* bt, int64_t bt_stride, uint16_t* out, int64_t o_ts, int64_t r_begin,
-                              int64_t r_end, float scale, int64_t window, int64_t amx) {
+                              int64_t r_end, float scale, int64_t window, float softcap, int64_t amx) {
 #ifdef PR_PREFILL_BF16
-  if ((D != 64 && D != 128) || Hkv <= 0 || Hq % Hkv) return 1;
+  if ((D != 64 && D != 128) || Hkv <= 0 || Hq % Hkv || !(softcap >= 0.f)) return 1;
 #ifndef PR_PREFILL_AMX
   if (amx) return 1;
 #endif
@@ -316,21 +322,21 @@ int pr_prefill_attention_bf16(const uint16_t* q, int64_t q_ts, const uint16_t* c
       const Pack p = pack_of(r, h / G);
 #ifdef PR_PREFILL_AMX
       if (amx) {
-        tile_amx(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, D, p, out, o_ts, scale, window);
+        tile_amx(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, D, p, out, o_ts, scale, window, softcap);
         continue;
       }
 #endif
       if (D == 64)
-        tile<4>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window);
+        tile<4>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window, softcap);
       else
-        tile<8>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window);
+        tile<8>(q, q_ts, h, qsl[r], nq, seq_lens[r], t0, nt, p, out, o_ts, scale, window, softcap);
     }
   }
   return 0;
 #else
   (void)q; (void)q_ts; (void)cache; (void)NB; (void)bs; (void)Hq; (void)Hkv; (void)D; (void)qsl; (void)seq_lens;
   (void)bt; (void)bt_stride; (void)out; (void)o_ts; (void)r_begin; (void)r_end; (void)scale; (void)window;
-  (void)amx;
+  (void)softcap; (void)amx;
   return 1;
 #endif
 }

@@ -52,6 +52,7 @@ from polyrunner.backends.cuda.defaults import cuda_default_limits
 from polyrunner.backends.cuda.op_overrides import cuda_op_overrides
 from polyrunner.backends.diagnose import check_pinned, cuda_torch_fix, find_compiler
 from polyrunner.plugin_api import (
+    ATTENTION_FEATURES,
     FULL,
     FULL_DECODE_ONLY,
     AttentionMetadata,
@@ -143,7 +144,8 @@ class CUDABackend(Backend):
     name = "cuda"
     priority = 100
     capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True, distributed_backend="nccl")
+                                async_scheduling=True, distributed_backend="nccl",
+                                attention_features=ATTENTION_FEATURES)   # Triton's WINDOW/SOFTCAP; SDPA's fallback
     executor: StaticGraphExecutor | None
 
     def __init__(self, config: EngineConfig) -> None:

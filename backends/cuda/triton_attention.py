@@ -19,7 +19,10 @@ cross into the next request). It walks the request's keys in tiles of TILE
 tokens, looking up each key's block in the block table (any block size),
 with a float32 online softmax: causal by absolute position (query i of a
 request with context c sits at c + i), and the sliding window skips tiles
-wholly before it.
+wholly before it. A logit soft cap (`LayerSpec.logits_soft_cap`, Gemma 2; the
+SOFTCAP constexpr, 0.0 = none) turns each scaled score s into
+SOFTCAP * tanh(s / SOFTCAP) before the mask, in every variant (decode, split
+decode, prefill/mixed).
 
 TILE, BLOCK_M, BLOCK_Q, num_warps and num_stages come from the launch table
 (`attention_launch.launch_params`: by padded head size, dtype and whether the
@@ -67,6 +70,15 @@ def _find_request(qsl_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softcap(s, cap: tl.constexpr):
+    """cap * tanh(s / cap) without overflow: tanh|x| = (1 - e) / (1 + e) with e = 2^(-2|x| log2 e) in (0, 1]."""
+    x = s / cap
+    e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * cap
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     qsl_ptr, seq_lens_ptr, tables_ptr,
@@ -75,7 +87,7 @@ def _attention_kernel(
     kc_sb, kc_ss, kc_sh, kc_sd, vc_sb, vc_ss, vc_sh, vc_sd, tables_sr,
     NUM_HEADS: tl.constexpr, G: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    WINDOW: tl.constexpr, SEGMENTS: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr, SEGMENTS: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     qb = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -134,7 +146,11 @@ def _attention_kernel(
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(visible, s * scale_log2, float("-inf"))
+        if SOFTCAP > 0:   # cap the natural-log-scale score, then back to log2 units
+            s = _softcap(s * (scale_log2 * 0.6931471805599453), SOFTCAP) * 1.4426950408889634
+        else:
+            s = s * scale_log2
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -212,6 +228,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         segments = SEGMENTS if decode_only and R * num_kv < SPLIT_BELOW_PROGRAMS else 1
     head_pad = max(16, triton.next_power_of_2(head))
     window = spec.sliding_window or 0
+    if spec.logits_soft_cap is not None and not spec.logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be > 0 (or None), got {spec.logits_soft_cap}")
+    softcap = float(spec.logits_soft_cap or 0.0)
     if segments > 1:
         part_acc = torch.empty((T, num_heads, segments, head_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((T, num_heads, segments, 2), dtype=torch.float32, device=q.device)
@@ -225,7 +244,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         *q.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         NUM_HEADS=num_heads, G=group, HEAD_SIZE=head, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, TILE=launch.tile, BLOCK_M=launch.block_m, BLOCK_Q=launch.block_q,
-        WINDOW=window, SEGMENTS=segments, IEEE=q.dtype == torch.float32,
+        WINDOW=window, SEGMENTS=segments, IEEE=q.dtype == torch.float32, SOFTCAP=softcap,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if segments > 1:
         _combine_kernel[(T, num_heads)](

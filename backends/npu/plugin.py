@@ -34,6 +34,7 @@ import torch
 from polyrunner.backends.diagnose import Runtime, check_library
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
 from polyrunner.plugin_api import (
+    ATTENTION_FEATURES,
     FULL_DECODE_ONLY,
     STATIC_DECODE,
     AttentionMetadata,
@@ -106,9 +107,12 @@ class ACLGraphAPI(TorchGraphAPI):
 def npu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
     """torch_npu kernels for the cache write and batched decode (eager steps);
-    the SDPA path inside graphs, for sliding windows, or without torch_npu."""
+    the SDPA path inside graphs, for sliding windows, or without torch_npu. (A soft-capped
+    layer, which the backend declares unsupported, also takes the SDPA path: the cap is
+    never ignored.)"""
     tnpu = sys.modules.get("torch_npu")
     if (tnpu is None or meta.extras.get(STATIC_DECODE) or spec.sliding_window is not None
+            or spec.logits_soft_cap is not None
             or kv_cache.dtype != q.dtype or q.device.type != "npu"):
         return sdpa_paged_attention(q, k, v, kv_cache, meta, spec)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -133,7 +137,9 @@ class NPUBackend(Backend):
     name = "npu"
     priority = 90
     capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True, distributed_backend="hccl")
+                                async_scheduling=True, distributed_backend="hccl",
+                                # torch_npu's _npu_paged_attention has no logit soft cap: Gemma 2 is refused
+                                attention_features=ATTENTION_FEATURES - {"logits_soft_cap"})
     kv_alignment_bytes = ALIGNMENT
     executor: StaticGraphExecutor | None
 

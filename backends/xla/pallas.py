@@ -74,4 +74,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch
     e = meta.extras
     return ragged_paged_attention(
         q, kv_cache, e["pallas_seq_lens"], e["pallas_block_tables"], e["pallas_query_start_loc"],
-        e[NUM_SEQS], sm_scale=spec.scale, sliding_window=spec.sliding_window, use_kernel=use_kernel)
+        e[NUM_SEQS], sm_scale=spec.scale, sliding_window=spec.sliding_window, soft_cap=spec.logits_soft_cap,
+        use_kernel=use_kernel)

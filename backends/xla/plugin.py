@@ -31,6 +31,7 @@ from polyrunner.backends.supported_versions import STACKS
 from polyrunner.backends.xla import compile_cache, envs
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 from polyrunner.plugin_api import (
+    ATTENTION_FEATURES,
     NULL_BLOCK,
     TOKEN_BLOCK_TABLES,
     AttentionMetadata,
@@ -74,7 +75,8 @@ class XLABackend(Backend):
     name = "xla"
     priority = 20
     capabilities = Capabilities(graph_mode="xla", static_shapes=True, counts_graphs=True,
-                                dtypes=(torch.float32, torch.bfloat16), sampling=XLA_SAMPLING)
+                                dtypes=(torch.float32, torch.bfloat16), sampling=XLA_SAMPLING,
+                                attention_features=ATTENTION_FEATURES)   # static-shape torch and Pallas both
 
     def __init__(self, config: "EngineConfig") -> None:
         super().__init__(config)
