@@ -4,7 +4,10 @@ A GGUF file (llama.cpp's format) holds a model's weights, often quantized, and
 its config and tokenizer as metadata under llama.cpp's key names. The model
 loader only reads Hugging Face folders, so a GGUF is converted once into one:
 
-    config.json              LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM; its
+    config.json              LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM, or for a
+                             mixture of experts MixtralForCausalLM / Qwen2MoeForCausalLM /
+                             Qwen3MoeForCausalLM (`moe.py`: a layer's experts stay one
+                             stacked tensor per projection); its
                              torch_dtype is the precision the file's weights carry
                              (`weights_dtype`), which `dtype="auto"` runs in
     gguf_tensors.json        where every tensor (Hugging Face name) lies in the GGUF file:
@@ -38,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrunner.models.gguf import moe as gguf_moe
 from polyrunner.models.gguf.errors import GGUFError, gguf_import_error
 from polyrunner.models.gguf.tensors import FLOAT_TYPES, TENSORS_FILE
 from polyrunner.models.gguf.vocab import build_tokenizer
@@ -55,11 +59,14 @@ __all__ = [
 SUPPORTED_QUANT_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-# GGUF `general.architecture` -> (HF class, HF model_type). Mistral files say "llama".
+# GGUF `general.architecture` -> (HF class, HF model_type). Mistral files say "llama" (Mixtral:
+# "llama" with experts, `moe.MOE_ARCHITECTURES`).
 SUPPORTED_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": gguf_moe.MOE_ARCHITECTURES["qwen2moe"],
+    "qwen3moe": gguf_moe.MOE_ARCHITECTURES["qwen3moe"],
 }
 logger = logging.getLogger(__name__)
 
@@ -210,8 +217,6 @@ class _GGUFFile:
                 f"{self.path}: this is part {self.get('split.no', 0) + 1} of a {self.get('split.count')}-part split "
                 "GGUF; merge the parts first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)"
             )
-        if self.get(f"{arch}.expert_count", 0):
-            raise GGUFError(f"{self.path}: mixture-of-experts models ({arch}.expert_count > 0) are not supported")
         return arch
 
     # ------------------------------------------------------------ config + weights
@@ -243,6 +248,12 @@ class _GGUFFile:
         intermediate = per_layer_scalar(f"{arch}.feed_forward_length")
         if intermediate is None and "blk.0.ffn_up.weight" in self.tensors:
             intermediate = int(self.tensors["blk.0.ffn_up.weight"].shape[1])
+        moe = None
+        if gguf_moe.is_moe(arch, self.meta):
+            shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in self.reader.tensors}
+            moe = gguf_moe.moe_config(arch, self.meta, shapes, hidden, layers,
+                                      None if intermediate is None else int(intermediate), self.path)
+            intermediate = moe["intermediate_size"]
 
         config: dict[str, Any] = {
             "architectures": [hf_class],
@@ -269,8 +280,10 @@ class _GGUFFile:
             config["mlp_bias"] = False
         elif arch == "qwen2":
             config["use_sliding_window"] = False
-        elif arch == "qwen3":
+        elif arch in ("qwen3", "qwen3moe"):
             config["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        if moe is not None:
+            config.update(moe)
         rope_scaling = self._rope_scaling(arch, head_dim, config["rope_theta"])
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
@@ -280,7 +293,7 @@ class _GGUFFile:
             "file_type": self.get("general.file_type"),
         }
 
-        plan = self._tensor_plan(arch, heads, kv_heads, head_dim, layers)
+        plan = self._tensor_plan(arch, heads, kv_heads, head_dim, layers, moe is not None)
         return config, plan
 
     def weights_dtype(self) -> str:
@@ -309,17 +322,19 @@ class _GGUFFile:
                 f"supported: {', '.join(SUPPORTED_QUANT_TYPES)}"
             )
 
-    def _tensor_plan(self, arch: str, heads: int, kv_heads: int, head_dim: int, layers: int) -> list[_TensorPlan]:
+    def _tensor_plan(self, arch: str, heads: int, kv_heads: int, head_dim: int, layers: int,
+                     moe: bool = False) -> list[_TensorPlan]:
         plan: list[_TensorPlan] = []
         unknown = []
+        layer_map = {**_LAYER_TENSORS, **gguf_moe.layer_tensors(arch)} if moe else _LAYER_TENSORS
         for t in self.reader.tensors:
             if t.name in _IGNORED_TENSORS:
                 continue
-            hf_name = _hf_tensor_name(t.name, layers)
+            hf_name = _hf_tensor_name(t.name, layers, layer_map)
             if hf_name is None:
                 unknown.append(t.name)
                 continue
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = gguf_moe.hf_shape(t.name, tuple(int(d) for d in reversed(t.shape.tolist())))
             permute_heads = None
             if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 # llama.cpp's converter permutes q/k rows (HF's rotate-half -> interleaved rotary).
@@ -331,7 +346,7 @@ class _GGUFFile:
                     )
             where = {"name": t.name, "type": t.tensor_type.name, "shape": list(shape),
                      "offset": int(t.data_offset), "nbytes": int(t.n_bytes), "permute_heads": permute_heads}
-            quantized = None
+            quantized = None   # 2-D matrices only: a 3-D expert stack runs dequantised ("moe" role)
             if len(shape) == 2 and t.tensor_type.name not in DENSE_TYPES:
                 quantized = {k: where[k] for k in ("type", "shape", "offset", "nbytes", "permute_heads")}
             plan.append(_TensorPlan(hf_name, shape, where, quantized))
@@ -394,15 +409,15 @@ class _GGUFFile:
 # ------------------------------------------------------------------ tensors
 
 
-def _hf_tensor_name(name: str, layers: int) -> str | None:
+def _hf_tensor_name(name: str, layers: int, layer_map: dict[str, str] = _LAYER_TENSORS) -> str | None:
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and int(m.group(1)) < layers and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{suffix}"
+    if m and int(m.group(1)) < layers and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}.{suffix}"
     return None
 
 
