@@ -74,7 +74,7 @@ class LLM:
                  max_model_len: int | None = None,
                  max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None,
-                 block_size: int = default_of(CacheConfig, "block_size"),
+                 block_size: int | None = None,
                  kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = default_of(CacheConfig, "memory_utilization"),
                  num_gpu_blocks_override: int | None = None,
@@ -100,11 +100,13 @@ class LLM:
         # unset limits stay unset: the backend's defaults fill them (`Backend.default_limits`)
         limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                     ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
+        # an unset block size stays unset: the backend may choose one (`Backend.adjust_config`), else 16
+        blocks = {"block_size": block_size} if block_size is not None else {}
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                               seed=seed, tokenizer=tokenizer, max_logprobs=max_logprobs,
                               logprobs_mode=logprobs_mode),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            cache=CacheConfig(**blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
                               memory_utilization=gpu_memory_utilization,
                               num_blocks_override=num_gpu_blocks_override,
                               enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache),

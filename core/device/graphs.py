@@ -270,10 +270,16 @@ class StaticGraphExecutor(GraphExecutor):
         kind, T = key
         graph = self.graphs[T] if kind == DECODE else self.mixed_graphs[T]
         self._static.load(inputs, T, graph.reqs, self._width)
+        self.before_replay(kind, T, inputs)
         graph.replay()
         self.replays += 1
         self.mixed_replays += kind == MIXED
         return graph.output
+
+    def before_replay(self, kind: str, T: int, inputs: ModelInputs) -> None:
+        """Hook, after the step is copied into the static buffers and before graph (kind, T)
+        replays: update what the graph took from the host at capture (e.g. an attention op's
+        host sequence lengths). Default: nothing."""
 
     def _capture(self, inputs: ModelInputs, kind: str, T: int, R: int) -> torch.Tensor:
         m = inputs.attn

@@ -55,8 +55,9 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
                                help="most tokens computed in one iteration (default: the backend's, vLLM's by "
                                     "device: CUDA 16384 (serve: 8192) from 70 GiB of memory, else 8192 (serve: "
                                     f"2048); elsewhere {default_of(SchedulerConfig, 'max_num_batched_tokens')})")),
-    "block_size": (("--block-size",), dict(type=int, default=default_of(CacheConfig, "block_size"),
-                   help="tokens per KV-cache block")),
+    "block_size": (("--block-size",), dict(type=int, default=None,
+                   help="tokens per KV-cache block (default: the backend's choice, else "
+                        f"{default_of(CacheConfig, 'block_size')})")),
     "gpu_memory_utilization": (("--gpu-memory-utilization",),
                                dict(type=float, default=default_of(CacheConfig, "memory_utilization"),
                                help="share (0, 1] of the device's memory the KV cache may use, when "

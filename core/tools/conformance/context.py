@@ -140,10 +140,11 @@ class ConformanceContext:
                            a.head_dim, dtype or getattr(torch, self.dtype_name))
 
     def kv_budget_bytes(self, blocks: int, alignment: int) -> int:
-        """A byte budget buying `blocks` blocks per layer under `alignment`."""
+        """A byte budget buying `blocks` blocks per layer under `alignment` (with alignment > 1, room
+        for a layout that aligns K and V separately and the buffer's address: two more alignments)."""
         spec = self.kv_spec()
         per_layer = blocks * spec.page_size_bytes
-        per_layer = round_up(per_layer, alignment)
+        per_layer = round_up(per_layer, alignment) + (2 * alignment if alignment > 1 else 0)
         return per_layer * spec.num_layers
 
     def make_config(self, backend: str | None = None, **overrides):
