@@ -96,11 +96,14 @@ from polyrunner.numeric import cdiv, round_up
 from polyrunner.ops import (
     MODULE_ROLES,
     ROLES,
+    FusedMoE,
     GatedMLP,
     OpFactory,
     RMSNorm,
     RMSNormOverride,
     RotaryEmbedding,
+    fused_experts,
+    select_experts,
     silu_and_mul,
 )
 from polyrunner.plugins import hookimpl, register
@@ -135,6 +138,7 @@ __all__ = [
     "TOKEN_BLOCK_TABLES",
     # op overrides (faster modules per role)
     "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "RMSNormOverride", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
+    "FusedMoE", "select_experts", "fused_experts",
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",

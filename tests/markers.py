@@ -22,7 +22,7 @@ KERNELS = {
 }
 SERVER = {"test_serve", "test_serve_hostile", "test_structured_serve", "test_structured_async_compile",
           "test_vllm_api_compat"}
-XLA = {"test_xla", "test_xla_buckets"}
+XLA = {"test_xla", "test_xla_buckets", "test_xla_units", "test_xla_padded", "test_xla_spmd"}
 
 MODULE_MARKERS: dict[str, tuple[str, ...]] = {}
 for _marker, _modules in (("slow", SLOW), ("kernels", KERNELS), ("server", SERVER), ("xla", XLA)):

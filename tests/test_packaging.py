@@ -182,6 +182,7 @@ def test_xla_without_tpu_runtime_and_on_cpu_xla(monkeypatch):
     monkeypatch.setattr(plugin, "check_library", lambda *a: diagnose.Diagnosis(True, module=fake))
     monkeypatch.setattr(plugin, "installed_version", lambda dist: None)
     monkeypatch.setattr(plugin, "_device_kind", lambda: "CPU")
+    monkeypatch.setattr(plugin, "_device_count", lambda: 1)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     a = plugin.XLABackend.probe()
     assert not a.available and a.reason.startswith("no TPU found (libtpu is not installed; set PJRT_DEVICE=CPU")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cuda.triton_moe import fused_experts
-from polyrunner.ops.moe import FusedMoE, select_experts
+from polyrunner.plugin_api import FusedMoE, select_experts
 
 
 class TritonFusedMoE(nn.Module):

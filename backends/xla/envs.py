@@ -37,3 +37,15 @@ CACHE_DIR = declare("POLYRUNNER_XLA_CACHE_DIR", str, None,
                     "persistent XLA compilation cache folder (torch_xla's `initialize_cache`); unset: "
                     "`<POLYRUNNER_CACHE>/xla-compile` on a TPU, none on the CPU PJRT device (torch_xla 2.9 "
                     "cannot load its serialized executables there); `off`: none", section=_S)
+DYNAMO = declare("POLYRUNNER_XLA_DYNAMO", bool, True,
+                 "compile the forward once per bucket with torch.compile (openxla backend); 0 re-traces the "
+                 "model lazily every step", section=_S)
+PAD_HEAD = declare("POLYRUNNER_XLA_PAD_HEAD", bool, False,
+                   "1 pads the head size to a multiple of 128 at the attention op on the CPU XLA device too "
+                   "(always done for Pallas on a TPU)", section=_S)
+MIN_CONTEXT = declare("POLYRUNNER_XLA_MIN_CONTEXT", int, 1024,
+                      "static-shape attention: smallest context bucket in tokens (buckets double up to "
+                      "max_model_len; each is a backbone graph per token bucket)", ge=1, section=_S)
+STATIC_GATHER_BYTES = declare("POLYRUNNER_XLA_STATIC_GATHER_BYTES", int, 1 << 30,
+                              "on a real device, the largest per-layer gather the static-shape attention may "
+                              "compile; above it the engine refuses (use Pallas)", ge=0, section=_S)

@@ -7,6 +7,15 @@ in the TPU reference runner:
 
   backbone          one graph per token bucket T (the attention reads only
                     T-shaped inputs, see `XLABackend.host_attention_extras`)
+                    and, for the static-shape attention, context bucket C
+                    (`context_widths`, forced through `set_context` while warming up),
+                    compiled once: `torch.compile(backend="openxla", fullgraph=True,
+                    dynamic=False)` as vLLM's TPU runner does, so dynamo traces each
+                    bucket once during warm-up and serving replays it without
+                    re-tracing the model in Python (guards other than the ones that
+                    tell buckets apart are skipped once warm); with
+                    `POLYRUNNER_XLA_DYNAMO=0` or enforce_eager the model is traced
+                    lazily every step (about 4x the host time per decode step)
   select_hidden     hidden[logits_indices], per (T, R) with R <= the first
                     request bucket >= min(T, largest request bucket)
   logits            per request bucket R
@@ -27,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,7 +78,8 @@ def select_buckets(num_tokens: int, request_buckets: list[int]) -> list[int]:
 
 class XLAGraphExecutor(GraphExecutor):
     def __init__(self, model: torch.nn.Module, device: torch.device, *, strict: bool,
-                 enforce_eager: bool, seed: int) -> None:
+                 enforce_eager: bool, seed: int, context_widths: list[int] | None = None,
+                 set_context: Callable[[int | None], None] | None = None) -> None:
         import torch_xla
         import torch_xla.debug.metrics as met
         super().__init__(model)
@@ -77,6 +87,8 @@ class XLAGraphExecutor(GraphExecutor):
         self.device = device
         self.strict = strict and not enforce_eager
         self.enforce_eager = enforce_eager
+        self.context_widths: list[int | None] = list(context_widths or []) or [None]
+        self._set_context = set_context or (lambda width: None)
         self.max_logprobs = MAX_LOGPROBS  # K of the logprob graph (capped at the vocabulary)
         self.rng = np.random.default_rng(seed)
         self.compiled = 0            # graphs compiled by this executor's syncs
@@ -87,11 +99,21 @@ class XLAGraphExecutor(GraphExecutor):
         self.serving_graphs = 0      # graphs compiled after warm-up (should stay 0)
         # disk-cache lookups from here to the end of warm-up (`compile_cache.lookups`): a start
         # whose graphs are all on disk has misses 0 (on a TPU, hits = its graphs)
-        self.warmup_cache: dict[str, int] = {}
-        self._lookups_at_start = compile_cache.lookups()
+        # Summed per piece: torch_xla's dynamo bridge clears all counters while it compiles.
+        self.warmup_cache: dict[str, int] = dict.fromkeys(compile_cache.COUNTERS, 0)
         if enforce_eager and strict:
             logger.warning("xla: strict_no_recompile is ignored with enforce_eager")
+        self.mode = "dynamo" if envs.DYNAMO.get() and not enforce_eager else "trace"
+        self._forward = self._compile(model) if self.mode == "dynamo" else model
+        self._threads = torch.get_num_threads()
         self._settle("load_weights")
+
+    @staticmethod
+    def _compile(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        import torch._dynamo
+        # one dynamo entry per (token, context) bucket: never fall back to eager for running out
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        return torch.compile(model, backend="openxla", fullgraph=True, dynamic=False)
 
     def _settle(self, piece: str) -> None:
         """Materialise every weight and buffer. Weights loaded through views (fused
@@ -108,9 +130,18 @@ class XLAGraphExecutor(GraphExecutor):
         data = self._met.metric_data("CompileTime")
         return 0 if data is None else int(data[0])
 
-    def _sync(self, piece: str, shape: Any) -> None:
-        before = self._compile_count()
+    def _sync(self, piece: str, shape: Any, before: int | None = None,
+              lookups: dict[str, int] | None = None) -> None:
+        """Sync and account the graphs compiled, and the disk-cache lookups made, since `before` /
+        `lookups` (default: now). A counter found lower than before was cleared (dynamo's
+        bridge does so): what it counts now is what happened since."""
+        before = self._compile_count() if before is None else before
+        lookups = compile_cache.lookups() if lookups is None else lookups
         self._torch_xla.sync()
+        if not self.warm:
+            now = compile_cache.lookups()
+            for k, v in now.items():
+                self.warmup_cache[k] += v - lookups[k] if v >= lookups[k] else v
         new = self._compile_count() - before
         if not new:
             return
@@ -137,7 +168,8 @@ class XLAGraphExecutor(GraphExecutor):
                            "compiles when first seen (slow first steps)")
             return
         tokens, reqs = buckets.token_buckets, buckets.request_buckets
-        plan = len(tokens) + sum(len(select_buckets(t, reqs)) for t in tokens) + 4 * len(reqs)
+        widths = self.context_widths
+        plan = len(tokens) * len(widths) + sum(len(select_buckets(t, reqs)) for t in tokens) + 4 * len(reqs)
         self.warmup_pieces = plan
         t0 = time.perf_counter()
         self._settle("settle")
@@ -146,9 +178,12 @@ class XLAGraphExecutor(GraphExecutor):
         hidden = None
         with no_grad_not_inference():
             for T in tokens:
-                bar.set_postfix_str(f"backbone T={T}")
-                hidden = run_dummy(T, min(T, reqs[-1]))
-                bar.update()
+                for C in widths:
+                    bar.set_postfix_str(f"backbone T={T}" + (f" C={C}" if C else ""))
+                    self._set_context(C)
+                    hidden = run_dummy(T, min(T, reqs[-1]))
+                    bar.update()
+                self._set_context(None)
                 for R in select_buckets(T, reqs):
                     self._select(hidden, self._dev(np.zeros(R, np.int64)))
                     bar.update()
@@ -172,18 +207,47 @@ class XLAGraphExecutor(GraphExecutor):
         self.warmup_graphs = self.compiled - start_graphs
         self.warmup_seconds = time.perf_counter() - t0
         self.warm = True
-        now = compile_cache.lookups()
-        self.warmup_cache = {k: now[k] - self._lookups_at_start[k] for k in now}
         logger.info("xla: precompiled %d pieces, %d new graphs (%d token x %d request buckets) in %.1f s; "
                     "disk cache %s", plan, self.warmup_graphs, len(tokens), len(reqs), self.warmup_seconds,
                     ", ".join(f"{k} {v}" for k, v in self.warmup_cache.items()))
 
     # ---- pieces -------------------------------------------------------------------
     def run(self, inputs: ModelInputs) -> torch.Tensor:
+        before, lookups = self._compile_count(), compile_cache.lookups()   # dynamo compiles inside the call
+        args = (inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
         with no_grad_not_inference():
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
-            self._sync("backbone", {"tokens": int(inputs.input_ids.shape[0])})
+            try:
+                with self._stance(skip_guards=self.warm):
+                    hidden = self._forward(*args)
+            except RuntimeError as exc:   # a shape no bucket covers: dynamo compiles it (counted below)
+                if "skip_guard_eval_unsafe" not in str(exc):
+                    raise
+                with self._stance(skip_guards=False):
+                    hidden = self._forward(*args)
+            self._sync("backbone", {"tokens": int(inputs.input_ids.shape[0])}, before, lookups)
         return hidden
+
+    @contextlib.contextmanager
+    def _stance(self, skip_guards: bool) -> Iterator[None]:
+        """Once warm, dynamo evaluates only the guards that tell its entries (buckets) apart.
+        Its global-state guard includes torch's thread count, which another engine of this
+        process (the CPU backend) may change: the compiled entries run with the count they
+        were traced with."""
+        if self.mode != "dynamo":
+            yield
+            return
+        threads = torch.get_num_threads()
+        if threads != self._threads:
+            torch.set_num_threads(self._threads)
+        try:
+            if skip_guards:
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                    yield
+            else:
+                yield
+        finally:
+            if threads != self._threads:
+                torch.set_num_threads(threads)
 
     def _select(self, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         selected = hidden[indices]

@@ -15,10 +15,9 @@ vLLM's TPU runner uses), following the TPU reference runner:
   largest request bucket is capped at `max_num_seqs(max_model_len, block_size)`
   and bigger steps are split into row windows by the runner.
 
-Known gaps: head sizes that are not a multiple of 128 fall back to the
-static-shape torch attention (no padding of q/k/v heads); the KV write is a
-plain index_copy rather than the reference's slice-based Pallas update kernel;
-no SPMD sharding.
+Head sizes that are not a multiple of 128 are padded to one at the op
+boundary (`head_pad.py`, `XLABackend.attention`). Known gaps: the KV write is a
+plain index_copy rather than the reference's slice-based Pallas update kernel.
 """
 
 from __future__ import annotations
@@ -36,10 +35,6 @@ def max_num_seqs(max_model_len: int, block_size: int) -> int:
     """Requests whose int32 block tables fit in half of SMEM."""
     blocks = cdiv(max_model_len, block_size)
     return max(1, (SMEM_BYTES // 2) // blocks // 4)
-
-
-def supports(spec: KVCacheSpec) -> bool:
-    return spec.head_size % 128 == 0
 
 
 def kv_cache_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, int, int, int]:

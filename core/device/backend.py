@@ -104,6 +104,9 @@ class Capabilities:
     distributed_backend: the torch.distributed backend its ranks talk over for
       tensor parallelism ("gloo", "nccl", "hccl"); None refuses
       tensor_parallel_size > 1.
+    spmd: the backend shards one program over its devices itself (XLA SPMD): the
+      engine runs one process with the whole model for any tensor_parallel_size,
+      and the backend annotates the sharding (no ranks, no distributed_backend).
     attention_features: the `ATTENTION_FEATURES` its attention honours; the engine
       refuses at start a model whose layers need another one, naming it.
     """
@@ -116,6 +119,7 @@ class Capabilities:
     async_scheduling: bool = False
     distributed_backend: str | None = None
     attention_features: frozenset[str] = ATTENTION_FEATURES
+    spmd: bool = False
 
 
 @dataclass

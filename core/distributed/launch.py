@@ -19,9 +19,9 @@ from polyrunner.engine.model_setup import join_tensor_parallel
 
 
 def start_tensor_parallel(config: EngineConfig, backend) -> TPDriver | None:
-    """Rank 0's driver (None when tensor_parallel_size is 1)."""
+    """Rank 0's driver (None when tensor_parallel_size is 1, or the backend shards by SPMD)."""
     size = config.parallel.tensor_parallel_size
-    if size == 1:
+    if size == 1 or backend.capabilities.spmd:
         return None
     config_dict = config.model_dump()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun
