@@ -208,7 +208,7 @@ def test_cpu_op_overrides_swap_exactly_the_declared_parts(tiny_model_factory, cp
     model, arch = _tiny_model(folder, cpu_paged_attention, torch.bfloat16)
     replaced = apply_overrides(model, cpu_op_overrides(executor_config(), torch.bfloat16))
     assert replaced == {"linear": 4 * arch.num_layers, "rms_norm": 4 * arch.num_layers + 1, "rotary": 1,
-                        "gated_mlp": arch.num_layers}   # qwen3: q/k norms
+                        "gated_mlp": arch.num_layers, "moe": 0}   # qwen3: q/k norms; dense: no experts
     CPUExecutor(model, executor_config())
     want = {"linear": PackedLinear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
     for role, _, name, module in model.replaceable_modules():

@@ -39,6 +39,9 @@ PACK = declare("POLYRUNNER_CPU_PACK", bool, True,
                "0: keep bfloat16 linears unpacked (no oneDNN weight packing)", section=_S)
 FUSE = declare("POLYRUNNER_CPU_FUSE", bool, True,
                "0: no fused bfloat16 RMSNorm, rotary and SiLU-multiply kernels", section=_S)
+MOE = declare("POLYRUNNER_CPU_MOE", bool, True,
+              "0: mixture-of-experts layers by the core's reference (a loop over experts in torch) instead of "
+              "one C++ call per layer", section=_S)
 GRAPHS = declare("POLYRUNNER_CPU_GRAPHS", bool, True,
                  "0: no CPU graphs of decode steps (as enforce_eager, for the CPU backend only)", section=_S)
 QUANT_ISA = declare("POLYRUNNER_CPU_QUANT_ISA", str, None,

@@ -31,6 +31,9 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
                        const int64_t* slots, int64_t num_write, const int32_t* qsl, const int32_t* seq_lens,
                        const int32_t* bt, int64_t bt_stride, void* out, int64_t o_ts, int64_t r_begin,
                        int64_t r_end, float scale, int64_t window, float softcap);
+int pr_moe(int dtype, const void* x, int64_t x_ts, const void* logits, int64_t l_ts, int logits_bf16,
+           const void* w13, const void* w2, void* out, int64_t o_ts, int64_t T, int64_t H, int64_t I, int64_t E,
+           int64_t top_k, int renormalize, int scoring, void* scratch, int64_t chunk);
 
 // dst[i] = src[idx[i]] for rows of row_bytes bytes (an embedding lookup).
 void pr_gather_rows(const uint8_t* src, int64_t row_bytes, const int64_t* idx, int64_t n, uint8_t* dst) {
@@ -42,11 +45,11 @@ namespace {
 
 enum Kernel {  // kernel_calls.REPLAYABLE, in order
   QUANT_LINEAR = 1, QUANT_LINEAR8, DPBF16_LINEAR, AMX_LINEAR, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROTARY,
-  PAGED_ATTENTION, GATHER_ROWS, NUM_KERNELS
+  PAGED_ATTENTION, GATHER_ROWS, MOE, NUM_KERNELS
 };
 const char* const NAMES[] = {"", "pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16",
                              "pr_amx_linear_bf16", "pr_rms_norm_bf16", "pr_add_rms_norm_bf16",
-                             "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows"};
+                             "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe"};
 constexpr int64_t WORDS = 27;
 
 template <typename T>
@@ -93,6 +96,10 @@ int run(const int64_t* r) {
     case GATHER_ROWS:
       pr_gather_rows(p<const uint8_t>(a[0]), a[1], p<const int64_t>(a[2]), a[3], p<uint8_t>(a[4]));
       return 0;
+    case MOE:
+      return pr_moe(int(a[0]), p<const void>(a[1]), a[2], p<const void>(a[3]), a[4], int(a[5]), p<const void>(a[6]),
+                    p<const void>(a[7]), p<void>(a[8]), a[9], a[10], a[11], a[12], a[13], a[14], int(a[15]),
+                    int(a[16]), p<void>(a[17]), a[18]);
   }
   return -1;  // unknown kernel id
 }

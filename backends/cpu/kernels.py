@@ -53,6 +53,7 @@ SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one
 SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
+SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
@@ -214,6 +215,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_prefill_attention_amx.restype = ctypes.c_int
     lib.pr_gather_rows.restype = None
     lib.pr_gather_rows.argtypes = [ptr, i64, ptr, i64, ptr]
+    lib.pr_moe.restype = ctypes.c_int
+    lib.pr_moe.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                           i64, ctypes.c_int, ctypes.c_int, ptr, i64]
+    lib.pr_moe_scratch_bytes.restype = i64
+    lib.pr_moe_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
+    lib.pr_moe_simd.restype = ctypes.c_int
     lib.pr_replay.restype = i64
     lib.pr_replay.argtypes = [ptr, i64]
     lib.pr_replay_timed.restype = i64

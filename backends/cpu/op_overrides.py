@@ -3,7 +3,9 @@
 - "linear": `LinearPacker`, a bfloat16 `nn.Linear` -> `PackedLinear` (`packed_linear.py`), where
   oneDNN packs bfloat16 (`POLYRUNNER_CPU_PACK`);
 - "rms_norm" (bfloat16 weight), "rotary", "gated_mlp": the fused C++ modules
-  (`fused_modules.py`), with the kernel library (`POLYRUNNER_CPU_FUSE`).
+  (`fused_modules.py`), with the kernel library (`POLYRUNNER_CPU_FUSE`);
+- "moe": `MoEOverride`, the experts as one C++ call per layer (`moe_module.py`), with the kernel library
+  (`POLYRUNNER_CPU_MOE`).
 
 A float32 or float16 model keeps the core's modules.
 """
@@ -18,6 +20,7 @@ from torch import nn
 from polyrunner.backends.cpu import envs, kernels, threads
 from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
+from polyrunner.backends.cpu.moe_module import MoEOverride
 from polyrunner.backends.cpu.packed_linear import PackedLinear, Shape, packing_supported, planned
 from polyrunner.plugin_api import EngineConfig, graph_token_sizes
 
@@ -82,4 +85,6 @@ def cpu_op_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, Call
                                            graph_token_sizes(config))
     if envs.FUSE.get() and kernels.paged_attention_kernel() is not None:
         overrides.update(rms_norm=fused_rms_norm, rotary=FusedRotary, gated_mlp=FusedMLP)
+    if envs.MOE.get() and kernels.paged_attention_kernel() is not None:
+        overrides["moe"] = MoEOverride(max(64, config.scheduler.max_num_batched_tokens))
     return overrides

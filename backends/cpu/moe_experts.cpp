@@ -1,0 +1,385 @@
+// The "moe" role's CPU kernel: one call per MoE layer (moe_module.py), vLLM's fused_experts.
+//
+// pr_moe(x [T, H], router_logits [T, E], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I])
+// -> out [T, H], all in C++: routing (softmax or sigmoid in float32, the top_k largest, optional
+// renormalisation), grouping the T * k (token, expert) pairs by expert (a counting sort), per
+// expert the gate_up dot products of its rows, silu(gate) * up, the down dot products, and the
+// weighted sum per token in float32, rounded once to the output dtype.
+//
+// Weights stay in their checkpoint layout (rows of K contiguous, the role's w13_weight and
+// w2_weight): each output is a dot product over K, MR token rows x NR weight rows at a time, so
+// a weight vector loaded (and, for bfloat16, widened to float32 by a 16-bit shift: AVX-512F
+// only, no AVX512_BF16) serves MR rows. Decode is bound by reading the active experts' weights.
+// Work items are (active expert, output-column tile), shared out on the pool (thread_pool.h)
+// in decode-sized steps or on the OpenMP team in prefill, so every core works even at T = 1.
+// No allocation: the caller passes `scratch` of pr_moe_scratch_bytes(chunk, ...) bytes and the
+// tokens go in chunks of `chunk` (each chunk re-reads the active experts' weights).
+// The portable build (PR_PORTABLE, CPUs without AVX-512) runs the same code with plain loops.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX512F__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+#define PR_MOE_AVX512 1
+#endif
+
+#include "thread_pool.h"
+
+namespace {
+constexpr int MR = 6, NR = 4;      // token rows x weight rows per dot block
+constexpr int64_t TILE_I = 16;     // gate_up item: 16 columns of I (32 weight rows)
+constexpr int64_t TILE_H = 32;     // down item: 32 columns of H
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {   // nearest even, NaN kept quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);
+  return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float load1(const float* w, int64_t k) { return w[k]; }
+inline float load1(const uint16_t* w, int64_t k) { return bf16_to_f32(w[k]); }
+
+#ifdef PR_MOE_AVX512
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {   // bfloat16 -> float32: widen, shift left 16 (AVX-512F)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16));
+}
+#endif
+
+// res[m][n] = sum_k x[m][k] * w[n][k] for m < mr, n < nr (x rows float32, w rows of W).
+template <class W, int M, int N>
+void dot_block(const float* const* x, const W* const* w, int64_t K, float res[MR][NR]) {
+  int64_t k = 0;
+#ifdef PR_MOE_AVX512
+  __m512 acc[M][N];
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[N];
+    for (int n = 0; n < N; ++n) wv[n] = load16(w[n] + k);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x[m] + k);
+      for (int n = 0; n < N; ++n) acc[m][n] = _mm512_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) res[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+#else
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) res[m][n] = 0.0f;
+#endif
+  for (; k < K; ++k)   // the tail (everything in the portable build: a loop the compiler vectorises)
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) res[m][n] += x[m][k] * load1(w[n], k);
+}
+
+template <class W, int N>
+void dot_rows(int mr, const float* const* x, const W* const* w, int64_t K, float res[MR][NR]) {
+  switch (mr) {
+    case 1: return dot_block<W, 1, N>(x, w, K, res);
+    case 2: return dot_block<W, 2, N>(x, w, K, res);
+    case 3: return dot_block<W, 3, N>(x, w, K, res);
+    case 4: return dot_block<W, 4, N>(x, w, K, res);
+    case 5: return dot_block<W, 5, N>(x, w, K, res);
+    default: return dot_block<W, 6, N>(x, w, K, res);
+  }
+}
+
+template <class W>
+void dot(int mr, int nr, const float* const* x, const W* const* w, int64_t K, float res[MR][NR]) {
+  switch (nr) {
+    case 1: return dot_rows<W, 1>(mr, x, w, K, res);
+    case 2: return dot_rows<W, 2>(mr, x, w, K, res);
+    case 3: return dot_rows<W, 3>(mr, x, w, K, res);
+    default: return dot_rows<W, 4>(mr, x, w, K, res);
+  }
+}
+
+// dot() of many token rows: bfloat16 weight rows are widened once into `buf` (NR * K floats, when
+// K <= WIDEN_K) and every row block reads the float32 copy, instead of widening per row block.
+constexpr int64_t WIDEN_K = 4096;
+
+template <class W>
+void dot_rows_block(int mr, int nr, const float* const* x, const W* const* w, int64_t K, float res[MR][NR],
+                    const float* const* wide) {
+  if (wide != nullptr)
+    dot<float>(mr, nr, x, wide, K, res);
+  else
+    dot<W>(mr, nr, x, w, K, res);
+}
+
+// `wide` rows for weight rows `w` (nullptr: use them as they are): only for bfloat16 weights
+// multiplied by more than MR token rows.
+template <class W>
+const float* const* widen(int nr, const W* const* w, int64_t K, int64_t rows, float* buf, const float** ptrs) {
+  if (sizeof(W) != 2 || rows <= MR || K > WIDEN_K) return nullptr;
+  for (int n = 0; n < nr; ++n) {
+    for (int64_t k = 0; k < K; ++k) buf[n * K + k] = load1(w[n], k);
+    ptrs[n] = buf + n * K;
+  }
+  return ptrs;
+}
+
+// The scratch of one chunk of up to C tokens (P = C * k pairs), 64-byte aligned pieces.
+struct Scratch {
+  float* xf;          // [C, H] the chunk's x in float32
+  int32_t* ids;       // [P] pair p = t * k + j: its expert
+  float* wts;         // [P] its routing weight
+  int32_t* pos;       // [P] its position in the expert-sorted order
+  int32_t* tok;       // [P] sorted position -> token
+  int64_t* start;     // [E + 1] the experts' first sorted positions
+  int32_t* active;    // [E] experts that received pairs
+  float* act;         // [P, I] silu(gate) * up, by sorted position
+  float* y;           // [P, H] the expert outputs, by sorted position
+};
+
+inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
+
+int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base, Scratch* s) {
+  const int64_t P = C * k;
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    char* p = base ? base + off : nullptr;
+    off += align64(bytes);
+    return p;
+  };
+  char* xf = take(C * H * 4);
+  char* ids = take(P * 4);
+  char* wts = take(P * 4);
+  char* pos = take(P * 4);
+  char* tok = take(P * 4);
+  char* start = take((E + 1) * 8);
+  char* active = take(E * 4);
+  char* act = take(P * I * 4);
+  char* y = take(P * H * 4);
+  if (s) *s = {reinterpret_cast<float*>(xf), reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(wts),
+               reinterpret_cast<int32_t*>(pos), reinterpret_cast<int32_t*>(tok), reinterpret_cast<int64_t*>(start),
+               reinterpret_cast<int32_t*>(active), reinterpret_cast<float*>(act), reinterpret_cast<float*>(y)};
+  return off + 64;   // + slack to align the base
+}
+
+// Items [0, n) on the pool (decode: torch's OpenMP has one thread) or the OpenMP team.
+template <class Body>
+void run_items(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  const int team = omp_get_max_threads();
+  if (n == 1) {
+    body(int64_t(0));
+  } else if (team > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    pr::parallel_for(n, [](void* c, int64_t i, int) { (*static_cast<const Body*>(c))(i); },
+                     const_cast<Body*>(&body));
+  }
+}
+
+struct Args {
+  int dtype;   // 0 float32, 1 bfloat16 (x, weights, out)
+  const void* x;
+  int64_t x_ts;
+  const void* logits;
+  int64_t l_ts;
+  int logits_bf16;
+  const void* w13;
+  const void* w2;
+  void* out;
+  int64_t o_ts, H, I, E, k;
+  bool renormalize, sigmoid;
+};
+
+// Scores, top-k and the expert-sorted order of tokens [t0, t0 + C).
+void route(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
+  const int64_t E = a.E, k = a.k;
+  float scores[1024];   // E <= 1024 (checked by pr_moe)
+  for (int64_t e = 0; e <= E; ++e) s.start[e] = 0;
+  for (int64_t t = 0; t < C; ++t) {
+    const char* row = static_cast<const char*>(a.logits) + (t0 + t) * a.l_ts * (a.logits_bf16 ? 2 : 4);
+    for (int64_t e = 0; e < E; ++e)
+      scores[e] = a.logits_bf16 ? bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[e])
+                                : reinterpret_cast<const float*>(row)[e];
+    if (a.sigmoid) {
+      for (int64_t e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + std::exp(-scores[e]));
+    } else {
+      float mx = scores[0], sum = 0.0f;
+      for (int64_t e = 1; e < E; ++e) mx = scores[e] > mx ? scores[e] : mx;
+      for (int64_t e = 0; e < E; ++e) sum += (scores[e] = std::exp(scores[e] - mx));
+      for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+    }
+    // the top k as torch.topk on a CPU picks them (aten's TopKImpl.h), ties included: the same
+    // std::partial_sort (k * 64 <= E) or std::nth_element over (score, index) pairs in index order
+    std::pair<double, int64_t> queue[1024];
+    for (int64_t e = 0; e < E; ++e) queue[e] = {double(scores[e]), e};
+    auto larger = [](const std::pair<double, int64_t>& p, const std::pair<double, int64_t>& q) {
+      return (std::isnan(p.first) && !std::isnan(q.first)) || p.first > q.first;
+    };
+    if (k * 64 <= E)
+      std::partial_sort(queue, queue + k, queue + E, larger);
+    else
+      std::nth_element(queue, queue + k - 1, queue + E, larger);
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t best = queue[j].second;
+      s.ids[t * k + j] = int32_t(best);
+      s.wts[t * k + j] = scores[best];
+      total += scores[best];
+      ++s.start[best + 1];
+    }
+    if (a.renormalize)
+      for (int64_t j = 0; j < k; ++j) s.wts[t * k + j] /= total;
+  }
+  for (int64_t e = 0; e < E; ++e) s.start[e + 1] += s.start[e];
+  int64_t fill[1024];
+  for (int64_t e = 0; e < E; ++e) fill[e] = s.start[e];
+  for (int64_t p = 0; p < C * k; ++p) {   // stable: a token's rows in token order per expert
+    const int64_t q = fill[s.ids[p]]++;
+    s.pos[p] = int32_t(q);
+    s.tok[q] = int32_t(p / k);
+  }
+}
+
+template <class W>
+void experts(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
+  const int64_t H = a.H, I = a.I, E = a.E, k = a.k;
+  // x -> float32
+  run_items((C + 15) / 16, [&](int64_t i) {
+    for (int64_t t = 16 * i; t < std::min(C, 16 * i + 16); ++t) {
+      const char* row = static_cast<const char*>(a.x) + (t0 + t) * a.x_ts * (a.dtype ? 2 : 4);
+      for (int64_t h = 0; h < H; ++h)
+        s.xf[t * H + h] = a.dtype ? bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[h])
+                                  : reinterpret_cast<const float*>(row)[h];
+    }
+  });
+  int64_t na = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (s.start[e + 1] > s.start[e]) s.active[na++] = int32_t(e);
+  const W* w13 = static_cast<const W*>(a.w13);
+  const W* w2 = static_cast<const W*>(a.w2);
+  // gate_up and silu(gate) * up: items (active expert, TILE_I columns of I)
+  const int64_t ti = (I + TILE_I - 1) / TILE_I;
+  run_items(na * ti, [&](int64_t item) {
+    const int64_t e = s.active[item / ti], c0 = (item % ti) * TILE_I, c1 = std::min(I, c0 + TILE_I);
+    const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+    const W* we = w13 + e * 2 * I * H;
+    for (int64_t c = c0; c < c1; c += NR / 2) {   // NR / 2 columns: their gate and up rows
+      const int nc = int(std::min<int64_t>(NR / 2, c1 - c));
+      const W* wr[NR];
+      for (int n = 0; n < nc; ++n) wr[n] = we + (c + n) * H, wr[nc + n] = we + (I + c + n) * H;
+      alignas(64) float buf[NR * WIDEN_K];
+      const float* ptrs[NR];
+      const float* const* wide = widen<W>(2 * nc, wr, H, r1 - r0, buf, ptrs);
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int mr = int(std::min<int64_t>(MR, r1 - r));
+        const float* xr[MR];
+        for (int m = 0; m < mr; ++m) xr[m] = s.xf + s.tok[r + m] * H;
+        float res[MR][NR];
+        dot_rows_block<W>(mr, 2 * nc, xr, wr, H, res, wide);
+        for (int m = 0; m < mr; ++m)
+          for (int n = 0; n < nc; ++n) {
+            const float g = res[m][n];
+            s.act[(r + m) * I + c + n] = g / (1.0f + std::exp(-g)) * res[m][nc + n];
+          }
+      }
+    }
+  });
+  // down: items (active expert, TILE_H columns of H)
+  const int64_t th = (H + TILE_H - 1) / TILE_H;
+  run_items(na * th, [&](int64_t item) {
+    const int64_t e = s.active[item / th], h0 = (item % th) * TILE_H, h1 = std::min(H, h0 + TILE_H);
+    const int64_t r0 = s.start[e], r1 = s.start[e + 1];
+    const W* we = w2 + e * H * I;
+    for (int64_t h = h0; h < h1; h += NR) {
+      const int nr = int(std::min<int64_t>(NR, h1 - h));
+      const W* wr[NR];
+      for (int n = 0; n < nr; ++n) wr[n] = we + (h + n) * I;
+      alignas(64) float buf[NR * WIDEN_K];
+      const float* ptrs[NR];
+      const float* const* wide = widen<W>(nr, wr, I, r1 - r0, buf, ptrs);
+      for (int64_t r = r0; r < r1; r += MR) {
+        const int mr = int(std::min<int64_t>(MR, r1 - r));
+        const float* xr[MR];
+        for (int m = 0; m < mr; ++m) xr[m] = s.act + (r + m) * I;
+        float res[MR][NR];
+        dot_rows_block<W>(mr, nr, xr, wr, I, res, wide);
+        for (int m = 0; m < mr; ++m)
+          for (int n = 0; n < nr; ++n) s.y[(r + m) * H + h + n] = res[m][n];
+      }
+    }
+  });
+  // the weighted sum per token, in float32, rounded once
+  run_items((C + 7) / 8, [&](int64_t i) {
+    float acc[8192];
+    for (int64_t t = 8 * i; t < std::min(C, 8 * i + 8); ++t) {
+      for (int64_t h = 0; h < H; ++h) acc[h] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = s.wts[t * k + j];
+        const float* yr = s.y + int64_t(s.pos[t * k + j]) * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
+      }
+      char* row = static_cast<char*>(a.out) + (t0 + t) * a.o_ts * (a.dtype ? 2 : 4);
+      for (int64_t h = 0; h < H; ++h) {
+        if (a.dtype)
+          reinterpret_cast<uint16_t*>(row)[h] = f32_to_bf16(acc[h]);
+        else
+          reinterpret_cast<float*>(row)[h] = acc[h];
+      }
+    }
+  });
+}
+}  // namespace
+
+extern "C" {
+
+// 1 when this build's MoE kernel uses AVX-512F (widening bfloat16 by shifts), 0 for plain loops.
+int pr_moe_simd() {
+#ifdef PR_MOE_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Bytes of scratch pr_moe needs for chunks of `chunk` tokens.
+int64_t pr_moe_scratch_bytes(int64_t chunk, int64_t H, int64_t I, int64_t E, int64_t top_k) {
+  return layout(chunk, H, I, E, top_k, nullptr, nullptr);
+}
+
+// out[t] (row stride o_ts) = sum_j weight[t, j] * expert_{id[t, j]}(x[t]) for t < T: see the top of
+// this file. dtype 0: float32 x, w13, w2, out; 1: bfloat16. logits [T, E] (row stride l_ts) float32
+// or (logits_bf16) bfloat16. scoring 0: softmax, 1: sigmoid. scratch: pr_moe_scratch_bytes(chunk,
+// H, I, E, top_k) bytes. Returns 0, or 1 for unsupported arguments (H > 8192, E > 1024, bad top_k).
+int pr_moe(int dtype, const void* x, int64_t x_ts, const void* logits, int64_t l_ts, int logits_bf16,
+           const void* w13, const void* w2, void* out, int64_t o_ts, int64_t T, int64_t H, int64_t I, int64_t E,
+           int64_t top_k, int renormalize, int scoring, void* scratch, int64_t chunk) {
+  if (H < 1 || H > 8192 || I < 1 || E < 1 || E > 1024 || top_k < 1 || top_k > E || chunk < 1 || T < 0 ||
+      (dtype != 0 && dtype != 1))
+    return 1;
+  const Args a{dtype, x, x_ts, logits, l_ts, logits_bf16, w13, w2, out, o_ts, H, I, E, top_k,
+               renormalize != 0, scoring == 1};
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) / 64 * 64);
+  Scratch s;
+  layout(chunk, H, I, E, top_k, base, &s);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t C = std::min(chunk, T - t0);
+    route(a, t0, C, s);
+    if (dtype)
+      experts<uint16_t>(a, t0, C, s);
+    else
+      experts<float>(a, t0, C, s);
+  }
+  return 0;
+}
+}
