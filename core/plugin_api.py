@@ -103,6 +103,7 @@ from polyrunner.ops import (
     RMSNormOverride,
     RotaryEmbedding,
     fused_experts,
+    keep_moe_attributes,
     select_experts,
     silu_and_mul,
 )
@@ -138,7 +139,7 @@ __all__ = [
     "TOKEN_BLOCK_TABLES",
     # op overrides (faster modules per role)
     "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "RMSNormOverride", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
-    "FusedMoE", "select_experts", "fused_experts",
+    "FusedMoE", "select_experts", "fused_experts", "keep_moe_attributes",
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",

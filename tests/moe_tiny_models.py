@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from tiny_models import save_random_model
 
 COMMON = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -32,12 +32,4 @@ KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 def build_moe_model(kind: str, folder, seed: int = 0):
     """Save a random float32 model of `kind` to `folder`; returns the HF model."""
     import transformers as tf
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(moe_config(kind), dtype=torch.float32)
-    with torch.no_grad():   # larger-than-default weights: decisive logits and routings
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    return model
+    return save_random_model(tf.AutoModelForCausalLM, moe_config(kind), folder, seed)

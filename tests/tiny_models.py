@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,9 +45,16 @@ def hf_config(kind: str):
 def build_tiny_model(kind: str, folder: Path, seed: int = 0):
     """Save a random model of `kind` (float32) to `folder`; returns the HF model."""
     import transformers as tf
+    return save_random_model(tf.AutoModelForCausalLM, hf_config(kind), folder, seed)
+
+
+def save_random_model(auto_class, config, folder: Path, seed: int = 0):
+    """Build `config` with `auto_class` (float32), redraw its matrices from N(0, 0.08) (larger
+    than transformers' init: decisive logits and routings, so greedy ties are rare), save it
+    to `folder` as safetensors; returns the HF model."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(kind), torch_dtype=torch.float32)
-    with torch.no_grad():  # larger-than-default weights make logits decisive, so greedy ties are rare
+    model = auto_class.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
@@ -61,3 +69,15 @@ def kv_bytes(hf, blocks: int, block_size: int = 16) -> int:
     c = hf.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return blocks * 2 * block_size * c.num_key_value_heads * head_dim * 4 * c.num_hidden_layers
+
+
+def model_cache(tmp_path_factory, build: Callable) -> Callable[[str], tuple]:
+    """kind -> (folder, build(kind, folder)), each kind built once into its own temporary folder."""
+    cache: dict = {}
+
+    def make(kind: str):
+        if kind not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+            cache[kind] = (folder, build(kind, folder))
+        return cache[kind]
+    return make

@@ -17,7 +17,7 @@ from torch import nn
 
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.kernel_calls import call
-from polyrunner.plugin_api import FusedMoE
+from polyrunner.plugin_api import FusedMoE, keep_moe_attributes
 
 SCRATCH_BUDGET = 32 << 20   # bytes of scratch per layer shape: the tokens of one pass of the kernel
 SCORINGS = {"softmax": 0, "sigmoid": 1}
@@ -37,9 +37,7 @@ class CPUFusedMoE(nn.Module):
 
     def __init__(self, moe: FusedMoE, lib: ctypes.CDLL, scratch: torch.Tensor, chunk: int) -> None:
         super().__init__()
-        self.num_experts, self.top_k, self.intermediate = moe.num_experts, moe.top_k, moe.intermediate
-        self.renormalize, self.scoring = moe.renormalize, moe.scoring
-        self.w13_weight, self.w2_weight = moe.w13_weight, moe.w2_weight
+        keep_moe_attributes(self, moe)
         self.reference = [moe]   # a list: not a submodule (its parameters are ours)
         self.lib, self.scratch, self.chunk = lib, scratch, chunk
 

@@ -87,13 +87,23 @@ class DecoderLayer(nn.Module):
         """Returns `(mlp_out, residual)`: the layer's output is their sum, which the
         next layer's (or the final) norm forms with `forward_add` (vLLM's scheme:
         each residual add is fused with the norm that follows it)."""
+        h, residual = self.attend(positions, x, meta, kv_cache, residual)
+        return self.feed_forward(h, residual)
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (fused with the residual add) and attention, summed over the ranks:
+        `(attention_out, residual)`."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
         h = self.self_attn(positions, h, meta, kv_cache)
-        if self.all_reduce is not None:
-            h = self.all_reduce(h)
+        return (h if self.all_reduce is None else self.all_reduce(h)), residual
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm (fused with the residual add) and the MLP, summed over the
+        ranks: `(mlp_out, residual)`."""
         h, residual = self.post_attention_layernorm.forward_add(h, residual)
         h = self.mlp(h)
         return (h if self.all_reduce is None else self.all_reduce(h)), residual

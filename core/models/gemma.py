@@ -21,7 +21,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from polyrunner.attention.metadata import AttentionMetadata
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.decoder import (
@@ -72,16 +71,9 @@ class GemmaLayer(DecoderLayer):
     def make_mlp(self, arch: DecoderArch, layer_idx: int, shard: TPShard) -> nn.Module:
         return GatedMLP(arch.hidden_size, shard.intermediate, arch.mlp_bias, activation=arch.hidden_act)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.forward_add(x, residual)
-        h = self.self_attn(positions, h, meta, kv_cache)
-        if self.all_reduce is not None:
-            h = self.all_reduce(h)
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma's sandwich: the post-attention norm before the residual add, the pre-feed-forward
+        norm fused with it, the MLP summed over the ranks, then the post-feed-forward norm."""
         h = self.post_attention_layernorm(h)
         h, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
         h = self.mlp(h)

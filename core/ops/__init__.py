@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from polyrunner.ops.apply import OpFactory, apply_overrides, check_roles
 from polyrunner.ops.gated_mlp import GatedMLP, silu_and_mul
-from polyrunner.ops.moe import FusedMoE, fused_experts, select_experts
+from polyrunner.ops.moe import FusedMoE, fused_experts, keep_moe_attributes, select_experts
 from polyrunner.ops.rms_norm import RMSNorm, RMSNormOverride
 from polyrunner.ops.roles import MODULE_ROLES, ROLES, Role
 from polyrunner.ops.rotary import RotaryEmbedding
 
 __all__ = ["ROLES", "MODULE_ROLES", "Role", "OpFactory", "apply_overrides", "check_roles", "RMSNorm",
            "RMSNormOverride", "GatedMLP", "silu_and_mul", "RotaryEmbedding", "FusedMoE", "fused_experts",
-           "select_experts"]
+           "keep_moe_attributes", "select_experts"]

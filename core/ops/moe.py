@@ -65,6 +65,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out.index_add_(0, token_of, weighted).to(x.dtype)
 
 
+ROLE_ATTRIBUTES = ("num_experts", "top_k", "intermediate", "renormalize", "scoring", "w13_weight", "w2_weight")
+
+
+def keep_moe_attributes(dst: nn.Module, src: nn.Module) -> None:
+    """Give an override `dst` the role attributes of the module `src` it replaces (the same
+    parameter objects): what the "moe" role's contract says a replacement keeps."""
+    for name in ROLE_ATTRIBUTES:
+        setattr(dst, name, getattr(src, name))
+
+
 class FusedMoE(nn.Module):
     """The experts of a sparse block (this rank's `intermediate` rows of each): parameters
     `w13_weight [E, 2 * intermediate, H]` (gate then up) and `w2_weight [E, H, intermediate]`.
@@ -83,9 +93,12 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate), requires_grad=False)
 
+    # the experts' computation, `fused_experts`'s call: a device override may swap only this
+    experts = staticmethod(fused_experts)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
-        return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.experts(x, self.w13_weight, self.w2_weight, weights, ids)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate}, "
