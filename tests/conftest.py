@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 
 from backend_plugin import BackendPlugin  # noqa: E402
 from markers import MODULE_MARKERS  # noqa: E402
-from tiny_models import build_tiny_model  # noqa: E402
+from tiny_models import build_tiny_model, model_cache  # noqa: E402
 
 KINDS = ["llama", "llama_tied", "mistral", "qwen2", "qwen3"]
 
@@ -80,15 +80,7 @@ def cpu_kernels(request):
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    cache: dict = {}
-
-    def make(kind: str):
-        if kind not in cache:
-            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            cache[kind] = (folder, build_tiny_model(kind, folder))
-        return cache[kind]
-
-    return make
+    return model_cache(tmp_path_factory, build_tiny_model)
 
 
 def pytest_collection_modifyitems(config, items):

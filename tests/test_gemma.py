@@ -6,107 +6,52 @@ without soft-capping."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from polyrunner import LLM, SamplingParams
-from test_logprobs_hf import BLOCK, PROMPTS, VARIANTS, _check_output, _params
+from hf_oracle import (
+    ENGINE_VARIANTS,
+    LOGPROB_VARIANTS,
+    check_greedy_matches_hf,
+    check_logprobs_match_hf,
+    check_prefill_logits_match_hf,
+    random_prompts,
+)
 from tiny_gemma import KINDS, build_tiny_gemma
-from tiny_models import kv_bytes
+from tiny_models import model_cache
 
 MAX_NEW = 24
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked": dict(max_num_batched_tokens=16),
-    "preempt": dict(enable_prefix_caching=False),  # + a KV budget of 12 blocks
-}
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    cache: dict = {}
-
-    def make(kind: str):
-        if kind not in cache:
-            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            cache[kind] = (folder, build_tiny_gemma(kind, folder))
-        return cache[kind]
-
-    return make
+    return model_cache(tmp_path_factory, build_tiny_gemma)
 
 
 def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, size=int(rng.integers(20, 61))).tolist() for _ in range(n)]
-
-
-def _hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return random_prompts(n, seed=seed, min_len=20, max_len=61)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_greedy_matches_transformers(gemma, kind, variant):
     folder, hf = gemma(kind)
-    prompts = _prompts()
-    options = dict(ENGINE_VARIANTS[variant])
-    if variant == "preempt":
-        options["kv_cache_memory_bytes"] = kv_bytes(hf, 12)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, block_size=16, **options)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-    if variant == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, p, MAX_NEW), f"{kind}/{variant} prompt len {len(p)}"
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+    check_greedy_matches_hf(folder, hf, variant, _prompts(), MAX_NEW, label=f"{kind}/")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_logits_match_transformers(gemma, kind):
     """Every prompt position's logits (final soft cap included) within 1e-4 relative error."""
     folder, hf = gemma(kind)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=4)
-    runner = llm.engine.runner
-    captured = []
-    run = runner.executor.run
-    runner.executor.run = (
-        lambda inputs: captured.append((run(inputs), inputs.attn.num_actual_tokens)) or captured[-1][0])
-    prompts = _prompts(n=3, seed=1)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=1),
-                 use_tqdm=False)
-    hidden, T = captured[0]
-    assert T == sum(map(len, prompts))
-    ours = runner.model.compute_logits(hidden[:T])
-    start = 0
-    for p in prompts:
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0].float()
-        rel = (ours[start:start + len(p)] - ref).abs().max() / ref.abs().max()
-        assert rel < 1e-4, f"{kind}: relative error {rel:.2e}"
-        start += len(p)
+    check_prefill_logits_match_hf(folder, hf, _prompts(n=3, seed=1), label=f"{kind}: ")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(LOGPROB_VARIANTS))
 def test_logprobs_match_transformers(gemma, kind, variant):
     """Sampled-token and prompt logprobs (top-k, ranks) within 1e-4 of transformers' log_softmax."""
     folder, hf = gemma(kind)
-    kw = dict(VARIANTS[variant])
-    if variant == "preempt":
-        kw["kv_cache_memory_bytes"] = kv_bytes(hf, 6, BLOCK)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, max_logprobs=-1, **kw)
-    params = [_params(i) for i in range(len(PROMPTS))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    if variant == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
-    for out, sp in zip(outs, params):
-        _check_output(hf, out, sp)
+    check_logprobs_match_hf(folder, hf, variant)
 
 
 def _hf_logits(folder, prompt: list[int], **overrides) -> torch.Tensor:

@@ -32,6 +32,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from hf_oracle import hf_greedy, hf_logprobs  # noqa: E402
 from moe_tiny_models import build_moe_model  # noqa: E402
 from polyrunner import LLM, SamplingParams  # noqa: E402
 from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402
@@ -174,21 +175,10 @@ def moe_gguf(tmp_path_factory):
             save_file(ref, base / "ref" / "model.safetensors", metadata={"format": "pt"})
             from transformers import AutoModelForCausalLM
             hf = AutoModelForCausalLM.from_pretrained(base / "ref", dtype=torch.float32).eval()
-            greedy = []
-            for p in PROMPTS:
-                ids = torch.tensor([p])
-                with torch.no_grad():
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
-                greedy.append(out[0, len(p):].tolist())
+            greedy = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
             cache[kind] = (base / "m.gguf", convert_gguf(base / "m.gguf", base / "out"), hf, greedy)
         return cache[kind]
     return make
-
-
-def _logprobs(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
 def _run(model: str, **options) -> tuple[LLM, list]:
@@ -243,7 +233,7 @@ def test_float32_greedy_and_logprobs_equal_transformers_on_the_dequantised_model
     assert [o.token_ids for o in _run(str(path), dtype="float32")[1]] == [o.token_ids for o in outs]
     for p, out, ref in zip(PROMPTS, outs, want):
         assert out.token_ids == ref, f"{kind} prompt len {len(p)}"
-        lp = _logprobs(hf, p + out.token_ids)
+        lp = hf_logprobs(hf, p + out.token_ids)
         for i, entry in enumerate(out.logprobs):
             for tid, e in entry.items():
                 assert abs(e.logprob - float(lp[len(p) - 1 + i, tid])) <= TOL, f"{kind}: token {i}, id {tid}"
@@ -270,7 +260,7 @@ def test_quantized_cpu_run_equals_the_dequantised_model_up_to_near_ties(moe_gguf
         i = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         if i is None:
             continue
-        lp = _logprobs(hf, p + ref)[len(p) - 1 + i]
+        lp = hf_logprobs(hf, p + ref)[len(p) - 1 + i]
         gap = float(lp[ref[i]] - lp[got[i]])
         assert gap < NEAR_TIE, f"{kind} prompt len {len(p)}: token {i} is {got[i]}, float32 gave {ref[i]} by {gap:.3f}"
         early += 1

@@ -10,76 +10,46 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
+from hf_oracle import ENGINE_VARIANTS, check_greedy_matches_hf, hf_greedy, hf_logprobs, random_prompts
 from moe_tiny_models import KINDS, build_moe_model
-from polyrunner import LLM, SamplingParams
+from polyrunner import LLM
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.hf_config import ModelFileError
-from tiny_models import kv_bytes
+from tiny_models import model_cache
 
 TOL = 1e-4
 MAX_NEW = 24
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked": dict(max_num_batched_tokens=16),
-    "preempt": dict(enable_prefix_caching=False),  # + a KV budget of 12 blocks
-}
 
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    cache: dict = {}
-
-    def make(kind: str):
-        if kind not in cache:
-            folder = tmp_path_factory.mktemp(f"tiny-{kind}")
-            cache[kind] = (folder, build_moe_model(kind, folder))
-        return cache[kind]
-    return make
+    return model_cache(tmp_path_factory, build_moe_model)
 
 
-def _prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 512, size=int(rng.integers(3, 60))).tolist() for _ in range(n)]
-
-
-PROMPTS = _prompts()
+PROMPTS = random_prompts()
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(moe_model):
+def hf_greedy_tokens(moe_model):
     cache: dict = {}
 
     def get(kind: str) -> list[list[int]]:
         if kind not in cache:
             hf = moe_model(kind)[1]
-            outs = []
-            for p in PROMPTS:
-                ids = torch.tensor([p])
-                with torch.no_grad():
-                    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                      do_sample=False, eos_token_id=None, pad_token_id=0)
-                outs.append(out[0, len(p):].tolist())
-            cache[kind] = outs
+            cache[kind] = [hf_greedy(hf, p, MAX_NEW) for p in PROMPTS]
         return cache[kind]
     return get
-
-
-def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
 
 
 def _check_logprobs(hf, out, where: str) -> None:
     """Every reported logprob (the sampled tokens' top 5 + the chosen one, the prompt's top 3)
     equals log_softmax of transformers' logits over prompt + completion."""
     prompt, comp = out.prompt_token_ids, out.outputs[0]
-    lp = _hf_logprobs(hf, prompt + comp.token_ids)
+    lp = hf_logprobs(hf, prompt + comp.token_ids)
     assert len(comp.logprobs) == MAX_NEW and out.prompt_logprobs[0] is None
     for i, entry in enumerate(comp.logprobs):
         assert comp.token_ids[i] in entry and len(entry) >= 5
@@ -93,20 +63,12 @@ def _check_logprobs(hf, out, where: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
-def test_greedy_and_logprobs_match_transformers(moe_model, hf_greedy, kind, variant):
+def test_greedy_and_logprobs_match_transformers(moe_model, hf_greedy_tokens, kind, variant):
     folder, hf = moe_model(kind)
-    options = dict(ENGINE_VARIANTS[variant])
-    if variant == "preempt":
-        options["kv_cache_memory_bytes"] = kv_bytes(hf, 12)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, block_size=16, **options)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5, prompt_logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    if variant == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
-    for p, out, want in zip(PROMPTS, outs, hf_greedy(kind)):
-        assert out.outputs[0].token_ids == want, f"{kind}/{variant} prompt len {len(p)}"
+    outs = check_greedy_matches_hf(folder, hf, variant, PROMPTS, MAX_NEW, want=hf_greedy_tokens(kind),
+                                   label=f"{kind}/", sampling=dict(logprobs=5, prompt_logprobs=3))
+    for p, out in zip(PROMPTS, outs):
         _check_logprobs(hf, out, f"{kind}/{variant} prompt len {len(p)}")
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("kind", KINDS)

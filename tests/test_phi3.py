@@ -25,67 +25,47 @@ import numpy as np
 import pytest
 import torch
 
-from polyrunner import LLM, SamplingParams
+from hf_oracle import (
+    ENGINE_VARIANTS,
+    LOGPROB_VARIANTS,
+    check_greedy_matches_hf,
+    check_logprobs_match_hf,
+    hf_greedy,
+    random_prompts,
+)
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.hf_config import ModelFileError
 from polyrunner.ops.rotary import RotaryEmbedding
-from test_hf_parity import ENGINE_VARIANTS, _hf_greedy, _prompts
-from test_logprobs_hf import BLOCK, PROMPTS, VARIANTS, _check_output, _params
-from tiny_models import kv_bytes
 
 MAX_NEW = 24
 ORIGINAL = 32   # phi3_longrope's original_max_position_embeddings
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], **kw) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, **kw), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _engine(folder, hf, variant: str, **kw) -> LLM:
-    options = dict(ENGINE_VARIANTS[variant])
-    if variant == "preempt":
-        options["kv_cache_memory_bytes"] = kv_bytes(hf, 12)
-    return LLM(str(folder), backend="cpu", dtype="float32", max_num_seqs=8, block_size=16, **options, **kw)
-
-
 _HF_TOKENS: dict[tuple, list[int]] = {}   # transformers' greedy tokens, shared by the engine variants
 
 
-def _check_greedy(llm: LLM, hf, prompts: list[list[int]], variant: str, oracle: str = "transformers") -> None:
-    got = _greedy(llm, prompts)
-    if variant == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
-    for p, tokens in zip(prompts, got):
+def _check_greedy(folder, hf, prompts: list[list[int]], variant: str, oracle: str = "transformers") -> None:
+    want = []
+    for p in prompts:
         key = (id(hf), oracle, tuple(p))
         if key not in _HF_TOKENS:
-            _HF_TOKENS[key] = _hf_greedy(hf, p, MAX_NEW)
-        assert tokens == _HF_TOKENS[key], f"{variant}: prompt len {len(p)}"
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
+            _HF_TOKENS[key] = hf_greedy(hf, p, MAX_NEW)
+        want.append(_HF_TOKENS[key])
+    check_greedy_matches_hf(folder, hf, variant, prompts, MAX_NEW, want=want, label=f"{oracle}: ")
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_greedy_matches_transformers(tiny_model_factory, variant):
     folder, hf = tiny_model_factory("phi3")
-    prompts = _prompts()
+    prompts = random_prompts()
     assert max(map(len, prompts)) + MAX_NEW > hf.config.sliding_window   # the window matters
-    _check_greedy(_engine(folder, hf, variant), hf, prompts, variant)
+    _check_greedy(folder, hf, prompts, variant)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(LOGPROB_VARIANTS))
 def test_logprobs_match_transformers(tiny_model_factory, variant):
     folder, hf = tiny_model_factory("phi3")
-    kw = dict(VARIANTS[variant])
-    if variant == "preempt":
-        kw["kv_cache_memory_bytes"] = kv_bytes(hf, 6, BLOCK)
-    llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, max_logprobs=-1, **kw)
-    params = [_params(i) for i in range(len(PROMPTS))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    if variant == "preempt":
-        assert llm.engine.scheduler.num_preemptions > 0
-    for out, sp in zip(outs, params):
-        _check_output(hf, out, sp)
+    check_logprobs_match_hf(folder, hf, variant)
 
 
 # ---------------------------------------------------------------- longrope
@@ -114,10 +94,9 @@ def test_longrope_tables_match_transformers(tiny_model_factory):
 def test_longrope_below_original_matches_transformers(tiny_model_factory, variant):
     """Every position the model runs lies below 32: short factors in both."""
     folder, hf = tiny_model_factory("phi3_longrope")
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, 512, size=int(rng.integers(3, 10))).tolist() for _ in range(8)]
+    prompts = random_prompts(seed=3, max_len=10)
     assert max(map(len, prompts)) + MAX_NEW - 2 < ORIGINAL
-    _check_greedy(_engine(folder, hf, variant), hf, prompts, variant)
+    _check_greedy(folder, hf, prompts, variant)
 
 
 def _per_position_rotary(rotary):
@@ -158,16 +137,12 @@ def per_position_hf(tiny_model_factory, monkeypatch):
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 def test_longrope_crossing_matches_per_position_transformers(per_position_hf, variant):
     folder, hf = per_position_hf
-    _check_greedy(_engine(folder, hf, variant), hf, CROSSING, variant, oracle="per-position")
+    _check_greedy(folder, hf, CROSSING, variant, oracle="per-position")
 
 
 def test_longrope_crossing_logprobs_match_per_position_transformers(per_position_hf):
     folder, hf = per_position_hf
-    llm = LLM(str(folder), backend="cpu", dtype="float32", block_size=BLOCK, max_logprobs=-1,
-              max_num_batched_tokens=16)   # chunks on both sides of 32
-    params = [_params(i) for i in range(len(CROSSING))]
-    for out, sp in zip(llm.generate([{"prompt_token_ids": p} for p in CROSSING], params, use_tqdm=False), params):
-        _check_output(hf, out, sp)
+    check_logprobs_match_hf(folder, hf, "chunked", CROSSING)   # chunks on both sides of 32
 
 
 # ---------------------------------------------------------------- tensor parallelism

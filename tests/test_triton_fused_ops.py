@@ -12,18 +12,15 @@ installed.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
 import torch
 from torch import nn
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install triton, or the dev extra)", allow_module_level=True)
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition
+from triton_setup import use_triton  # first: before any kernel module
+
+HAS_CUDA = use_triton()
 
 from polyrunner.backends.cuda.fused_modules import TritonGatedMLP, TritonRMSNorm, TritonRotary  # noqa: E402
 from polyrunner.backends.cuda.op_overrides import cuda_op_overrides  # noqa: E402

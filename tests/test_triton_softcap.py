@@ -8,17 +8,14 @@ GPU (TRITON_INTERPRET=1 set before the kernels are defined): tiny shapes, float3
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
 import torch
 
-if importlib.util.find_spec("triton") is None:
-    pytest.skip("triton is not installed (pip install triton, or the dev extra)", allow_module_level=True)
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' definition
+from triton_setup import use_triton  # first: before any kernel module
+
+HAS_CUDA = use_triton()
 
 from polyrunner.attention.metadata import LayerSpec  # noqa: E402
 from polyrunner.backends.cuda.triton_attention import triton_paged_attention, unified_attention  # noqa: E402
