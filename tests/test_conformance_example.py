@@ -35,9 +35,11 @@ def test_example_plugin_passes_conformance(cpu_paged):
     report = run_conformance(cpu_paged)
     assert report.passed, format_report(report, verbose=True)
     # excused by capabilities (a check needing an optional package that is not installed skips too):
-    # it declares counts_graphs, its copies block, and its static shapes have no bucket for verification steps
+    # it declares counts_graphs, its attention has no soft cap, its copies block, and its static shapes
+    # have no bucket for verification steps
     skipped = [r for r in report.results if r.outcome == "skipped" and not r.package_missing]
-    assert [r.excused_by for r in skipped] == ["capabilities.async_scheduling=False",
+    assert [r.excused_by for r in skipped] == ["capabilities.attention_features lacks 'logits_soft_cap'",
+                                               "capabilities.async_scheduling=False",
                                                "capabilities.static_shapes=True"]
     # the certificate names the plugin's own distribution (none when registered from a source folder)
     plugin = report.to_dict()["plugin"]

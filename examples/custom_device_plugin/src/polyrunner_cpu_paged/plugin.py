@@ -68,9 +68,10 @@ class CPUPagedBackend(Backend):
 
     name = "cpu_paged"
     priority = -10          # below the built-in `cpu`: chosen only by name
-    # gloo: tensor-parallel ranks of this backend talk over torch.distributed's CPU communicator
+    # gloo: tensor-parallel ranks of this backend talk over torch.distributed's CPU communicator;
+    # its SDPA attention honours sliding windows but has no logit soft cap (Gemma 2 is refused)
     capabilities = Capabilities(graph_mode="eager", static_shapes=True, counts_graphs=True,
-                                distributed_backend="gloo")
+                                distributed_backend="gloo", attention_features=frozenset({"sliding_window"}))
     kv_alignment_bytes = kv_layout.ALIGNMENT
 
     @classmethod
