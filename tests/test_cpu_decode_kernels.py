@@ -65,6 +65,7 @@ def test_packed_linear_uses_dpbf16_without_amx(monkeypatch, cpu_kernels):
         pytest.skip("oneDNN bfloat16 packing unavailable on this CPU")
     monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
     monkeypatch.delenv("POLYRUNNER_CPU_DPBF16", raising=False)   # the path under test, whatever the caller's env
+    monkeypatch.setenv("POLYRUNNER_CPU_AVX512", "0")   # (the AVX-512F linear: test_cpu_linear_avx512.py)
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(192, 128, generator=g) / 8).to(torch.bfloat16)
     with kernels.use_kernels("native"):

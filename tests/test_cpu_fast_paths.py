@@ -129,6 +129,7 @@ def test_packed_linear_matches_linear(monkeypatch, bias):
     """oneDNN for every batch size: with a bias, or without the small-M kernels (forced off here)."""
     monkeypatch.setenv("POLYRUNNER_CPU_AMX", "0")
     monkeypatch.setenv("POLYRUNNER_CPU_DPBF16", "0")
+    monkeypatch.setenv("POLYRUNNER_CPU_AVX512", "0")
     torch.manual_seed(0)
     lin = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
     with kernels.use_kernels("native"):
@@ -281,7 +282,9 @@ MODEL_PATHS = {
     "measured": ("native", {"POLYRUNNER_CPU_LINEAR": "auto"}),   # each linear's kernels as timed here
     "amx": ("native", {"POLYRUNNER_CPU_LINEAR": "amx"}),         # AMX linears (AMX CPUs)
     "dpbf16": ("native", {"POLYRUNNER_CPU_LINEAR": "dpbf16"}),   # AVX512_BF16 linears
-    "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0", "POLYRUNNER_CPU_DPBF16": "0"}),  # oneDNN-packed linears
+    "avx512": ("native", {"POLYRUNNER_CPU_LINEAR": "avx512"}),   # AVX-512F float32-FMA linears
+    "onednn": ("native", {"POLYRUNNER_CPU_AMX": "0", "POLYRUNNER_CPU_DPBF16": "0",
+                          "POLYRUNNER_CPU_AVX512": "0"}),   # oneDNN-packed linears
     "portable": ("portable", {}),                           # an AVX2-only CPU's C++ kernels
     "unpacked": ("native", {"POLYRUNNER_CPU_PACK": "0"}),   # plain F.linear (no oneDNN bf16 packing)
     "unfused": ("native", {"POLYRUNNER_CPU_FUSE": "0"}),    # the model's own elementwise modules
@@ -317,8 +320,10 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
             pytest.skip(f"no AMX linear: {kernels.amx_unavailable_reason()}")
         if path == "dpbf16" and not kernels.dpbf16_available():
             pytest.skip(f"no AVX512_BF16 linear: {kernels.dpbf16_unavailable_reason()}")
+        if path == "avx512" and not kernels.avx512_available():
+            pytest.skip(f"no AVX-512F linear: {kernels.avx512_unavailable_reason()}")
         packed = path != "unpacked" and packing_supported(dtype)
-        if path in ("amx", "dpbf16", "onednn") and not packed:
+        if path in ("amx", "dpbf16", "avx512", "onednn") and not packed:
             pytest.skip("oneDNN bfloat16 packing unavailable on this CPU: its linears are the [unpacked] case")
         fast, arch = _tiny_model(folder, cpu_paged_attention, dtype)
         ref, _ = _tiny_model(folder, reference_paged_attention, dtype)
@@ -328,7 +333,7 @@ def test_fast_model_matches_reference_model(tiny_model_factory, monkeypatch, kin
         linears = [m for role, _, _, m in fast.replaceable_modules() if role == "linear"]
         assert all(isinstance(m, PackedLinear) for m in linears) == packed
         chosen = {k for m in linears if isinstance(m, PackedLinear) for k in m.plan}
-        if path in ("amx", "dpbf16"):
+        if path in ("amx", "dpbf16", "avx512"):
             assert chosen == {path}
         elif path in ("onednn", "portable", "no_kernels") and packed:
             assert chosen == {"onednn"}
@@ -417,7 +422,7 @@ def test_steps_the_pool_runs_whole_give_torch_one_thread(monkeypatch, dtype):
     fused_bf16 = next(ex.model.parameters()).dtype == torch.bfloat16 and kernels.paged_attention_kernel() is not None
     assert ex.graph_rows == (min([pool_rows(m) for m in linears] + [4]) if fused_bf16 else 0)  # max_num_seqs 4
     if kernels.paged_attention_kernel() is not None and (dtype == "auto" or kernels.dpbf16_available()
-                                                        or kernels.amx_available()):
+                                                        or kernels.amx_available() or kernels.avx512_available()):
         assert ex.pool_rows > 0
     seen, granted = [], []
     real = torch.set_num_threads

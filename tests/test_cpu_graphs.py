@@ -126,8 +126,9 @@ def _run(llm: LLM, prompts, n: int = 40):
 
 
 def _bf16_graphs_reason() -> str | None:
-    if not (kernels.dpbf16_available() or kernels.amx_available()):
-        return "no small-M bfloat16 kernel here (AVX512_BF16 or AMX): bfloat16 decode steps use oneDNN, no graphs"
+    if not (kernels.dpbf16_available() or kernels.amx_available() or kernels.avx512_available()):
+        return ("no small-M bfloat16 kernel here (AVX512_BF16, AMX or AVX-512F): bfloat16 decode steps use oneDNN, "
+                "no graphs")
     return None
 
 

@@ -99,7 +99,8 @@ def test_table_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
 
 def _kernel_params():
     """Each kernel, skipped where this CPU (or build) cannot run it, and the measured choice."""
-    reasons = {"amx": kernels.amx_unavailable_reason, "dpbf16": kernels.dpbf16_unavailable_reason}
+    reasons = {"amx": kernels.amx_unavailable_reason, "dpbf16": kernels.dpbf16_unavailable_reason,
+               "avx512": kernels.avx512_unavailable_reason}
     out = []
     for name in kernel_table.LINEAR_KERNELS:
         why = reasons[name]() if name in reasons else None

@@ -219,8 +219,8 @@ def test_a_tiny_mixtrals_greedy_tokens_with_the_override_equal_the_reference(tmp
 def test_a_bfloat16_mixtrals_decode_steps_replay_as_cpu_graphs(tmp_path):
     """Graphs need every linear on the pool's kernels (AVX512_BF16 or AMX for bfloat16 weights)."""
     from polyrunner import LLM
-    if not (kernels.dpbf16_available() or kernels.amx_available()):
-        pytest.skip("this CPU has neither AVX512_BF16 nor AMX: bfloat16 linears run in oneDNN, no CPU graphs")
+    if not (kernels.dpbf16_available() or kernels.amx_available() or kernels.avx512_available()):
+        pytest.skip("this CPU has no AVX-512 (nor AMX): bfloat16 linears run in oneDNN, no CPU graphs")
     folder = _tiny_mixtral(tmp_path)
     common = dict(backend="cpu", dtype="bfloat16", max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
     graphs, eager = LLM(str(folder), **common), LLM(str(folder), enforce_eager=True, **common)

@@ -88,7 +88,24 @@ def test_native_bf16_detection_agrees_with_the_cpu_flags():
     flags = cpu_plugin._proc_cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags line (not Linux)")
-    assert NATIVE_BF16 == bool({"avx512_bf16", "amx_bf16"} & flags), WHY_BF16
+    from polyrunner.backends.cpu import kernels
+    fast = bool({"avx512_bf16", "amx_bf16"} & flags) or ("avx512f" in flags and kernels.avx512_available())
+    assert cpu_plugin.native_bf16()[0] == fast, cpu_plugin.native_bf16()[1]
+
+
+def test_avx512f_without_bf16_hardware_counts_only_with_the_kernel(monkeypatch):
+    """A CPU with AVX-512F but neither AVX512_BF16 nor AMX runs bfloat16 natively exactly when
+    the AVX-512F bfloat16 linear can run (POLYRUNNER_CPU_AVX512=0 takes it away)."""
+    import platform
+    from polyrunner.backends.cpu import kernels
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"x86 only (this is {platform.machine()})")
+    monkeypatch.setattr(cpu_plugin, "_bf16_hardware", lambda: (False, "no bf16 hardware (test)"))
+    monkeypatch.setattr(kernels, "avx512_available", lambda: True)
+    ok, why = cpu_plugin.native_bf16()
+    assert ok and "AVX-512F" in why
+    monkeypatch.setattr(kernels, "avx512_available", lambda: False)
+    assert cpu_plugin.native_bf16()[0] is False
 
 
 # ---- through the engine ----------------------------------------------------------

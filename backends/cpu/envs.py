@@ -31,10 +31,13 @@ AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
               "0: no AMX linear kernel (a stand-in for CPUs without AMX)", section=_S)
 DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,
                  "0: no AVX512_BF16 linear kernel (a stand-in for CPUs without it)", section=_S)
+AVX512 = declare("POLYRUNNER_CPU_AVX512", bool, True,
+                 "0: no AVX-512F (float32 FMA) bfloat16 linear kernel (a stand-in for CPUs without AVX-512)",
+                 section=_S)
 LINEAR = declare("POLYRUNNER_CPU_LINEAR", str, "auto",
                  "bfloat16 linear kernel for every step; auto: the fastest per weight shape and row count, "
-                 "timed at the first start on this machine and cached", choices=("auto", "amx", "dpbf16", "onednn"),
-                 section=_S)
+                 "timed at the first start on this machine and cached",
+                 choices=("auto", "amx", "dpbf16", "avx512", "onednn"), section=_S)
 PACK = declare("POLYRUNNER_CPU_PACK", bool, True,
                "0: keep bfloat16 linears unpacked (no oneDNN weight packing)", section=_S)
 FUSE = declare("POLYRUNNER_CPU_FUSE", bool, True,

@@ -34,6 +34,11 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
 int pr_moe(int dtype, const void* x, int64_t x_ts, const void* logits, int64_t l_ts, int logits_bf16,
            const void* w13, const void* w2, void* out, int64_t o_ts, int64_t T, int64_t H, int64_t I, int64_t E,
            int64_t top_k, int renormalize, int scoring, void* scratch, int64_t chunk);
+int pr_avx512_linear_bf16(const void* x, int64_t x_ts, int x_f32, const uint16_t* wp, uint16_t* y, int64_t y_ts,
+                          int64_t M, int64_t N, int64_t K);
+int pr_lora(int dtype, const void* x, int64_t x_ts, void* y, int64_t y_ts, const int32_t* token_lora,
+            const void* lora_a, const void* lora_b, const int64_t* bounds, int64_t T, int64_t in, int64_t out,
+            int64_t L, int64_t S, int64_t R, void* scratch, int64_t chunk);
 
 // dst[i] = src[idx[i]] for rows of row_bytes bytes (an embedding lookup).
 void pr_gather_rows(const uint8_t* src, int64_t row_bytes, const int64_t* idx, int64_t n, uint8_t* dst) {
@@ -45,11 +50,12 @@ namespace {
 
 enum Kernel {  // kernel_calls.REPLAYABLE, in order
   QUANT_LINEAR = 1, QUANT_LINEAR8, DPBF16_LINEAR, AMX_LINEAR, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROTARY,
-  PAGED_ATTENTION, GATHER_ROWS, MOE, NUM_KERNELS
+  PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, NUM_KERNELS
 };
 const char* const NAMES[] = {"", "pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16",
                              "pr_amx_linear_bf16", "pr_rms_norm_bf16", "pr_add_rms_norm_bf16",
-                             "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe"};
+                             "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe",
+                             "pr_avx512_linear_bf16", "pr_lora"};
 constexpr int64_t WORDS = 27;
 
 template <typename T>
@@ -100,6 +106,13 @@ int run(const int64_t* r) {
       return pr_moe(int(a[0]), p<const void>(a[1]), a[2], p<const void>(a[3]), a[4], int(a[5]), p<const void>(a[6]),
                     p<const void>(a[7]), p<void>(a[8]), a[9], a[10], a[11], a[12], a[13], a[14], int(a[15]),
                     int(a[16]), p<void>(a[17]), a[18]);
+    case AVX512_LINEAR:
+      return pr_avx512_linear_bf16(p<const void>(a[0]), a[1], int(a[2]), p<const uint16_t>(a[3]), p<uint16_t>(a[4]),
+                                   a[5], a[6], a[7], a[8]);
+    case LORA:
+      return pr_lora(int(a[0]), p<const void>(a[1]), a[2], p<void>(a[3]), a[4], p<const int32_t>(a[5]),
+                     p<const void>(a[6]), p<const void>(a[7]), p<const int64_t>(a[8]), a[9], a[10], a[11], a[12],
+                     a[13], a[14], p<void>(a[15]), a[16]);
   }
   return -1;  // unknown kernel id
 }

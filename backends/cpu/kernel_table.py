@@ -1,9 +1,11 @@
 """Which bfloat16 linear kernel runs a step of M rows: chosen by timing each one on this machine.
 
-Kernels (`LINEAR_KERNELS`): "amx" (`linear_amx.cpp`, AMX tiles) and "dpbf16" (`linear_bf16.cpp`,
-AVX512_BF16 dot products), both on the work-sharing pool, and "onednn" (torch's packed mkldnn
-linear, on OpenMP). `available()` lists those this process can run (`POLYRUNNER_CPU_AMX=0` /
-`POLYRUNNER_CPU_DPBF16=0` take one away: stand-ins for CPUs without it).
+Kernels (`LINEAR_KERNELS`): "amx" (`linear_amx.cpp`, AMX tiles), "dpbf16" (`linear_bf16.cpp`,
+AVX512_BF16 dot products) and "avx512" (`linear_avx512.cpp`, bfloat16 widened to float32 FMAs on
+AVX-512F alone: CPUs without AVX512_BF16), all on the work-sharing pool, and "onednn" (torch's
+packed mkldnn linear, on OpenMP). `available()` lists those this process can run
+(`POLYRUNNER_CPU_AMX=0` / `POLYRUNNER_CPU_DPBF16=0` / `POLYRUNNER_CPU_AVX512=0` take one away:
+stand-ins for CPUs without it).
 
 `linear_table(weights)` times every available kernel at each weight shape (N, K) of the model for the
 row counts `ROWS` (the LM head's rows are requests, so up to `max_num_seqs`), on the model's own
@@ -36,9 +38,9 @@ from polyrunner.backends.cpu import threads as threads_
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1  # of the file format and the timing method: a change re-measures
-LINEAR_KERNELS = ("amx", "dpbf16", "onednn")
-POOL_KERNELS = frozenset({"amx", "dpbf16"})   # run on the work-sharing pool (graph-replayable)
+VERSION = 2  # of the file format and the timing method: a change re-measures
+LINEAR_KERNELS = ("amx", "dpbf16", "avx512", "onednn")
+POOL_KERNELS = frozenset({"amx", "dpbf16", "avx512"})   # run on the work-sharing pool (graph-replayable)
 POOL_STEP_ROWS = 64   # steps up to this many rows may run whole on the pool (executor.py)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 STREAM_BYTES = 64 << 20   # a shape's layers timed in turn up to this many weight bytes (at most every layer)
@@ -58,6 +60,8 @@ def available(bias: bool = False) -> list[str]:
         names.append("amx")
     if not bias and kernels.dpbf16_available():
         names.append("dpbf16")
+    if not bias and kernels.avx512_available():
+        names.append("avx512")
     return names + ["onednn"]
 
 
@@ -73,6 +77,8 @@ def pack(kernel: str, weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
         return kernels.amx_pack_bf16(weight)
     if kernel == "dpbf16":
         return kernels.dpbf16_pack_bf16(weight)
+    if kernel == "avx512":
+        return kernels.avx512_pack_bf16(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
@@ -82,6 +88,8 @@ def runner(kernel: str) -> Callable[[torch.Tensor, torch.Tensor, int, torch.Tens
         return lambda x, packed, N, bias: kernels.amx_linear_bf16(x, packed, N)
     if kernel == "dpbf16":
         return lambda x, packed, N, bias: kernels.dpbf16_linear_bf16(x, packed, N)
+    if kernel == "avx512":
+        return lambda x, packed, N, bias: kernels.avx512_linear_bf16(x, packed, N)
     return lambda x, packed, N, bias: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -91,7 +99,8 @@ def forced() -> str | None:
     if name in (None, "auto"):
         return None
     if name not in available():
-        why = {"amx": kernels.amx_unavailable_reason, "dpbf16": kernels.dpbf16_unavailable_reason}[name]()
+        why = {"amx": kernels.amx_unavailable_reason, "dpbf16": kernels.dpbf16_unavailable_reason,
+               "avx512": kernels.avx512_unavailable_reason}[name]()
         raise ValueError(f"POLYRUNNER_CPU_LINEAR={name}: that kernel cannot run here ({why}); "
                          f"allowed here: auto, {', '.join(available())}")
     return name

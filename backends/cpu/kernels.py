@@ -1,6 +1,6 @@
 """Build and load the CPU kernels: paged attention and fused elementwise ops
-(`paged_attention.cpp`), the AMX and AVX512_BF16 linears (`linear_amx.cpp`, `linear_bf16.cpp`;
-which one a step runs is measured, `kernel_table.py`).
+(`paged_attention.cpp`), the AMX, AVX512_BF16 and AVX-512F linears (`linear_amx.cpp`, `linear_bf16.cpp`,
+`linear_avx512.cpp`; which one a step runs is measured, `kernel_table.py`).
 
 The kernels are plain C++ compiled into one library once per (sources, flags, compiler, CPU) into
 `~/.cache/polyrunner/cpu_kernels/` (`POLYRUNNER_CACHE`) and called through ctypes with raw pointers.
@@ -54,8 +54,11 @@ SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linear
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
 SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)
+SOURCES += [Path(__file__).with_name("lora_kernel.cpp")]  # the "lora" role's one call per linear (lora_module.py)
+SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 linear (no AVX512_BF16)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
-           Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h")]
+           Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
+           Path(__file__).with_name("widen_dot.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -209,6 +212,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_dpbf16_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.pr_dpbf16_linear_bf16.restype = ctypes.c_int
     lib.pr_dpbf16_linear_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64]
+    lib.pr_avx512_available.restype = ctypes.c_int
+    lib.pr_avx512_packed_size.restype = i64
+    lib.pr_avx512_packed_size.argtypes = [i64, i64]
+    lib.pr_avx512_pack_bf16.restype = None
+    lib.pr_avx512_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.pr_avx512_linear_bf16.restype = ctypes.c_int
+    lib.pr_avx512_linear_bf16.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64]
     lib.pr_prefill_attention_bf16.restype = ctypes.c_int
     lib.pr_prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64,
                                               i64, i64, ctypes.c_float, i64, ctypes.c_float, i64]
@@ -221,6 +231,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_moe_scratch_bytes.restype = i64
     lib.pr_moe_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
     lib.pr_moe_simd.restype = ctypes.c_int
+    lib.pr_lora.restype = ctypes.c_int
+    lib.pr_lora.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                            ptr, i64]
+    lib.pr_lora_scratch_bytes.restype = i64
+    lib.pr_lora_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
+    lib.pr_lora_simd.restype = ctypes.c_int
     lib.pr_replay.restype = i64
     lib.pr_replay.argtypes = [ptr, i64]
     lib.pr_replay_timed.restype = i64
@@ -235,13 +251,13 @@ def use_kernels(variant: str | None):
     """Run the block with the `variant` library ("native", "portable"; None: none,
     i.e. the reference fallbacks) as the backend's; AMX and AVX512_BF16 are probed again. Modules
     built inside keep what they chose (e.g. a PackedLinear's AMX copy)."""
-    global _lib, _tried, _amx, _dpbf16
-    saved = _lib, _tried, _amx, _dpbf16
-    _lib, _tried, _amx, _dpbf16 = (load_library(variant) if variant else None), True, None, None
+    global _lib, _tried, _amx, _dpbf16, _avx512
+    saved = _lib, _tried, _amx, _dpbf16, _avx512
+    _lib, _tried, _amx, _dpbf16, _avx512 = (load_library(variant) if variant else None), True, None, None, None
     try:
         yield _lib
     finally:
-        _lib, _tried, _amx, _dpbf16 = saved
+        _lib, _tried, _amx, _dpbf16, _avx512 = saved
 
 
 def simd_bf16(lib: ctypes.CDLL | None = None) -> bool:
@@ -345,6 +361,7 @@ def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 _amx: bool | None = None
 _dpbf16: bool | None = None
+_avx512: bool | None = None
 
 
 def amx_available() -> bool:
@@ -477,6 +494,50 @@ def dpbf16_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.T
         return None
     y = torch.empty((M, N), dtype=torch.bfloat16)
     if call(_lib.pr_dpbf16_linear_bf16, x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), N, M, N, K):
+        return None
+    return y
+
+
+def avx512_available() -> bool:
+    """Whether the AVX-512F bfloat16 linear (`linear_avx512.cpp`) can run here."""
+    global _avx512
+    if _avx512 is None:
+        _avx512 = avx512_unavailable_reason() is None
+    return _avx512
+
+
+def avx512_unavailable_reason() -> str | None:
+    """None when the AVX-512F linear can run here, else why not."""
+    if not envs.AVX512.get():
+        return "POLYRUNNER_CPU_AVX512=0"
+    lib = paged_attention_kernel()
+    if lib is None:
+        return "no CPU kernel library (no C++ compiler, or POLYRUNNER_CPU_KERNELS=0)"
+    if lib.pr_avx512_available() == 1:
+        return None
+    if lib is _loaded.get("portable"):
+        return "the portable kernel build has no AVX-512 code"
+    return "the native kernel build has no AVX-512 code: this CPU lacks AVX512F"
+
+
+def avx512_pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] bfloat16 in the layout of `linear_avx512.cpp` (any N, K: zero-padded)."""
+    N, K = weight.shape
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    packed = torch.empty(_lib.pr_avx512_packed_size(N, K), dtype=torch.bfloat16)
+    _lib.pr_avx512_pack_bf16(w.data_ptr(), packed.data_ptr(), N, K)
+    return packed
+
+
+def avx512_linear_bf16(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor | None:
+    """x[M, K] @ W^T -> bfloat16 [M, N], W packed by `avx512_pack_bf16`, by AVX-512F float32 FMAs
+    (x: bfloat16 or float32, unit stride on K); None when the kernel declines."""
+    M, K = x.shape
+    if x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    y = torch.empty((M, N), dtype=torch.bfloat16)
+    if call(_lib.pr_avx512_linear_bf16, x.data_ptr(), x.stride(0), int(x.dtype == torch.float32), packed.data_ptr(),
+            y.data_ptr(), N, M, N, K):
         return None
     return y
 

@@ -3,10 +3,10 @@
 Every bfloat16 "linear" of a model (the "linear" op override, `op_overrides.py`) and the LM head
 (for the logits, `executor.py`) become a `PackedLinear`: per row count, the kernel whose time at
 its weight shape was lowest (AMX tiles `linear_amx.cpp`, AVX512_BF16 dot products
-`linear_bf16.cpp`, oneDNN's packed matmul; timed at the first start, then cached). Steps of at
-most `POOL_STEP_ROWS` rows choose among the pool's kernels (AMX, AVX512_BF16) where the CPU has
-one, so they stay graph-replayable; CPUs with neither keep oneDNN. `POLYRUNNER_CPU_LINEAR`
-forces one kernel.
+`linear_bf16.cpp`, AVX-512F float32 FMAs `linear_avx512.cpp`, oneDNN's packed matmul; timed at
+the first start, then cached). Steps of at most `POOL_STEP_ROWS` rows choose among the pool's
+kernels (AMX, AVX512_BF16, AVX-512F) where the CPU has one, so they stay graph-replayable; CPUs
+without AVX-512 keep oneDNN. `POLYRUNNER_CPU_LINEAR` forces one kernel.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import platform
 
 import torch
 
+from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
 from polyrunner.backends.cpu.host_memory import prefault_in_background
@@ -29,12 +30,27 @@ from polyrunner.plugin_api import (
 DEFAULT_KV_CAP = 4 << 30
 
 
-@functools.lru_cache(maxsize=None)
 def native_bf16() -> tuple[bool, str]:
-    """Whether this CPU computes bfloat16 natively, and the evidence. On x86 that
-    takes AVX512_BF16 or AMX (AMX-BF16): without them (AVX2-only, or AVX-512
-    without BF16) oneDNN and torch emulate bfloat16 with conversions, slower than
-    float32. Elsewhere (Arm) oneDNN's own bfloat16 check decides."""
+    """Whether bfloat16 runs fast on this CPU, and the evidence. On x86 that takes AVX512_BF16
+    or AMX (AMX-BF16), or AVX-512F with this build's AVX-512F bfloat16 linear (bf16 weights
+    widened on the fly: `linear_avx512.cpp`, measured 2-4x oneDNN's emulated bfloat16 on an
+    Ice Lake Xeon); without them (AVX2-only, or the kernels off) oneDNN and torch emulate
+    bfloat16 with conversions, slower than float32. Elsewhere (Arm) oneDNN's own bfloat16
+    check decides."""
+    ok, why = _bf16_hardware()
+    if ok or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return ok, why
+    if kernels.avx512_available():
+        return True, "this CPU has AVX-512F (no AVX512_BF16 nor AMX): bfloat16 linears widen to float32 in " \
+                     "polyrunner's AVX-512F kernel"
+    return False, "this CPU has neither AVX512_BF16 nor AMX" + (
+        "" if "avx512f" not in _proc_cpu_flags() else f" (AVX-512F bfloat16 linear off: "
+        f"{kernels.avx512_unavailable_reason()})")
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_hardware() -> tuple[bool, str]:
+    """(AVX512_BF16 or AMX on x86 / oneDNN's bfloat16 check elsewhere, the evidence)."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686", "x86"):
         try:
