@@ -140,6 +140,37 @@ class SpeculativeConfig(_Strict):
         return self
 
 
+# vLLM's allowed `max_lora_rank` values
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoRAConfig(_Strict):
+    """Multi-LoRA (vLLM's `enable_lora` arguments): `max_loras` adapters resident on the device
+    (the most distinct adapters in one step), each of rank <= `max_lora_rank`; `max_cpu_loras`
+    adapters kept read in host memory (None: max_loras)."""
+
+    max_loras: int = Field(default=1, ge=1, le=256)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank(cls, v: int) -> int:
+        if v not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {LORA_RANKS}, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _cpu_cache(self) -> "LoRAConfig":
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 class EngineConfig(_Strict):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -147,6 +178,7 @@ class EngineConfig(_Strict):
     runner: RunnerConfig = RunnerConfig()
     parallel: ParallelConfig = ParallelConfig()
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None   # None: LoRA disabled (vLLM's enable_lora=False)
 
     @model_validator(mode="after")
     def _check_budget(self) -> "EngineConfig":

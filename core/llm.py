@@ -19,6 +19,7 @@ from polyrunner.chat_utils import (
 from polyrunner.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RunnerConfig,
@@ -28,9 +29,12 @@ from polyrunner.config import (
 )
 from polyrunner.engine.llm_engine import LLMEngine
 from polyrunner.llm_args import check_no_effect_args, note_trust_remote_code
+from polyrunner.lora.request import LoRARequest
 from polyrunner.outputs import RequestOutput
 from polyrunner.prompt import Prompt
 from polyrunner.sampling_params import BeamSearchParams, SamplingParams
+
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,8 @@ class LLM:
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  tensor_parallel_size: int = default_of(ParallelConfig, "tensor_parallel_size"),
                  speculative_config: dict | SpeculativeConfig | None = None,
+                 enable_lora: bool = False, max_loras: int = default_of(LoRAConfig, "max_loras"),
+                 max_lora_rank: int = default_of(LoRAConfig, "max_lora_rank"), max_cpu_loras: int | None = None,
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
         note_trust_remote_code(trust_remote_code)
         runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager", "cudagraph_mode"}
@@ -116,7 +122,9 @@ class LLM:
             runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
                                 **runner_options),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            speculative=speculative_config)
+            speculative=speculative_config,
+            lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+            if enable_lora else None)
         self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:
@@ -133,7 +141,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequests = None, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         A call whose every prompt is invalid raises ValueError (the first one's
@@ -141,15 +150,19 @@ class LLM:
         list with valid prompts, an invalid prompt gets an output with `error`
         set (finish_reason "error") and the others run.
         `priority`: one per prompt, with scheduling_policy="priority" (lower first).
+        `lora_request`: the adapter for every prompt, or a list of one (or None) per prompt
+        (needs `enable_lora=True`).
         """
-        return self._generate(prompts, sampling_params, use_tqdm, priority, raise_all_invalid=True)
+        return self._generate(prompts, sampling_params, use_tqdm, priority, raise_all_invalid=True,
+                              lora_request=lora_request)
 
     def _generate(self, prompts: Prompt | Sequence[Prompt],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  use_tqdm: bool, priority: Sequence[int] | None, raise_all_invalid: bool
-                  ) -> list[RequestOutput]:
+                  use_tqdm: bool, priority: Sequence[int] | None, raise_all_invalid: bool,
+                  lora_request: LoRARequests = None) -> list[RequestOutput]:
         prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         params = _broadcast(sampling_params, len(prompt_list))
+        loras = _loras(lora_request, len(prompt_list))
         if priority is None:
             priority = [0] * len(prompt_list)
         elif len(priority) != len(prompt_list):
@@ -157,9 +170,9 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         errors: list[tuple[int, ValueError]] = []
-        for i, (prompt, p, prio) in enumerate(zip(prompt_list, params, priority)):
+        for i, (prompt, p, prio, lora) in enumerate(zip(prompt_list, params, priority, loras)):
             try:
-                order.append(self.engine.add_request(prompt, p, priority=prio))
+                order.append(self.engine.add_request(prompt, p, priority=prio, lora_request=lora))
             except ValueError as exc:
                 rid = f"rejected-{i}"
                 order.append(rid)
@@ -201,10 +214,11 @@ class LLM:
         prompt gets no sequences (all prompts invalid: ValueError).
         `concurrency_limit`: at most that many prompts are searched at once, in
         chunks of that size in prompt order (None: all); the results are the same.
-        `lora_request`: vLLM's; only None (polyrunner has no LoRA adapters)."""
+        `lora_request`: vLLM's; only None (beam search runs the base model)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {_kind(params, 'BeamSearchParams')}")
-        _no_lora(lora_request)
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by beam_search: it runs the base model (pass None)")
         tokenizer = self.get_tokenizer()
         eos = tokenizer.eos_token_id if tokenizer is not None else next(iter(self.engine.arch.eos_token_ids), None)
 
@@ -235,8 +249,7 @@ class LLM:
         `chat_template_kwargs`: more template variables (not "chat_template" / "tokenize";
         the named arguments win). The prompt text equals transformers'
         `apply_chat_template(..., tokenize=False)` for the same arguments.
-        `lora_request` / `mm_processor_kwargs`: vLLM's; only None (text models, no LoRA)."""
-        _no_lora(lora_request)
+        `lora_request`: as for `generate`; `mm_processor_kwargs`: vLLM's; only None (text models)."""
         if mm_processor_kwargs is not None:
             raise ValueError("mm_processor_kwargs is not supported: polyrunner runs text-only models")
         if self.tokenizer is None:
@@ -251,12 +264,22 @@ class LLM:
                                                     **options) for c in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
                    for text in texts]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
-def _no_lora(lora_request: Any) -> None:
-    if lora_request is not None:
-        raise ValueError("lora_request is not supported: polyrunner has no LoRA adapters (pass None)")
+def _loras(lora_request: LoRARequests, n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: vLLM's rule, as for sampling params."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them (one per prompt), got "
+                        f"{type(lora_request).__name__}")
+    for i, r in enumerate(lora_request):
+        if r is not None and not isinstance(r, LoRARequest):
+            raise TypeError(f"lora_request[{i}] must be a LoRARequest or None, got {type(r).__name__}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {n} prompts")
+    return list(lora_request)
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -16,6 +16,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from polyrunner.engine.request import Request
+    from polyrunner.lora.request import LoRARequest
     from polyrunner.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class NewRequest:
     params: "SamplingParams"
     eos_token_ids: frozenset[int]
     bad_words_token_ids: list[list[int]] | None = None
+    lora_request: "LoRARequest | None" = None
 
 
 NO_ROWS = np.zeros(0, np.int32)
@@ -64,6 +66,7 @@ class SchedulerOutput:
     # (the last ones of the row's num_scheduled), [R, k] their ids (the first num_draft_tokens[i])
     num_draft_tokens: np.ndarray | None = None
     draft_token_ids: np.ndarray | None = None
+    removed_loras: list[int] = field(default_factory=list)   # adapter ids the runners drop (remove_lora)
 
     @property
     def num_reqs(self) -> int:
@@ -76,7 +79,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner: no rows and no finished slots to drop."""
-        return not self.requests and not self.finished_slots
+        return not self.requests and not self.finished_slots and not self.removed_loras
 
 
 LogprobRow = tuple[list[int], list[float], int]   # token ids, logprobs, rank of the first

@@ -21,7 +21,7 @@ KERNELS = {
     "test_triton_moe",
 }
 SERVER = {"test_serve", "test_serve_hostile", "test_structured_serve", "test_structured_async_compile",
-          "test_vllm_api_compat"}
+          "test_vllm_api_compat", "test_serve_lora"}
 XLA = {"test_xla", "test_xla_buckets", "test_xla_units", "test_xla_padded", "test_xla_spmd"}
 
 MODULE_MARKERS: dict[str, tuple[str, ...]] = {}

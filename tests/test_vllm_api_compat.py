@@ -15,6 +15,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from polyrunner import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from polyrunner.lora.request import LoRARequest  # noqa: E402
 from polyrunner.sampling_params import BeamSearchParams  # noqa: E402
 from test_stop_strings_engine import make_tokenizer_folder  # noqa: E402
 
@@ -230,8 +231,10 @@ def test_chat_positional_arguments_follow_vllm(llm, ref):
     (out,) = llm.chat(CHAT, ONE_TOKEN, False, None, TOOLS_TEMPLATE, "auto", False)
     assert out.prompt == ref.apply_chat_template(CHAT, chat_template=TOOLS_TEMPLATE, tokenize=False,
                                                  add_generation_prompt=False)
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         llm.chat(CHAT, ONE_TOKEN, lora_request=object())
+    with pytest.raises(ValueError, match="LoRA is not enabled"):   # an engine without enable_lora
+        llm.chat(CHAT, ONE_TOKEN, lora_request=LoRARequest("adapter", 1, "/no/such/folder"))
     with pytest.raises(ValueError, match="mm_processor_kwargs is not supported"):
         llm.chat(CHAT, ONE_TOKEN, mm_processor_kwargs={"num_crops": 4})
 

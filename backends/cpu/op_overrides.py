@@ -5,9 +5,11 @@
 - "rms_norm" (bfloat16 weight), "rotary", "gated_mlp": the fused C++ modules
   (`fused_modules.py`), with the kernel library (`POLYRUNNER_CPU_FUSE`);
 - "moe": `MoEOverride`, the experts as one C++ call per layer (`moe_module.py`), with the kernel library
-  (`POLYRUNNER_CPU_MOE`).
+  (`POLYRUNNER_CPU_MOE`);
+- "lora" (float32 too, only with LoRA enabled): `LoRAOverride`, the adapters' updates as one C++ call per
+  LoRA linear (`lora_module.py`), with the kernel library.
 
-A float32 or float16 model keeps the core's modules.
+A float32 or float16 model otherwise keeps the core's modules.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from polyrunner.backends.cpu import envs, kernels, threads
 from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
+from polyrunner.backends.cpu.lora_module import lora_overrides
 from polyrunner.backends.cpu.moe_module import MoEOverride
 from polyrunner.backends.cpu.packed_linear import PackedLinear, Shape, packing_supported, planned
 from polyrunner.plugin_api import EngineConfig, graph_token_sizes
@@ -78,8 +81,8 @@ def fused_rms_norm(norm: nn.Module) -> nn.Module:
 def cpu_op_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """The factories for a model in `dtype` under `config` (see the module docstring)."""
     if dtype != torch.bfloat16:
-        return {}
-    overrides: dict[str, Callable[[nn.Module], nn.Module]] = {}
+        return dict(lora_overrides(config, dtype))
+    overrides: dict[str, Callable[[nn.Module], nn.Module]] = dict(lora_overrides(config, dtype))
     if packing_supported(dtype):
         overrides["linear"] = LinearPacker(max(64, min(config.scheduler.max_num_batched_tokens, 2048)),
                                            graph_token_sizes(config))

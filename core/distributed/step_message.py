@@ -26,7 +26,7 @@ _FIELDS = [f.name for f in dataclasses.fields(SchedulerOutput) if f.name not in 
 def encode_step(so: SchedulerOutput) -> bytes:
     """The message for one step."""
     news = [(n.request_id, n.slot, np.asarray(n.prompt_token_ids, np.int32), n.params,
-             tuple(n.eos_token_ids), n.bad_words_token_ids) for n in so.new_requests]
+             tuple(n.eos_token_ids), n.bad_words_token_ids, n.lora_request) for n in so.new_requests]
     body = (so.num_reqs, news, {name: getattr(so, name) for name in _FIELDS})
     return pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -42,5 +42,5 @@ def decode_step(payload: bytes) -> SchedulerOutput | None:
         return None
     num_reqs, news, fields = msg
     return SchedulerOutput(requests=[None] * num_reqs, **fields,
-                           new_requests=[NewRequest(rid, slot, ids.tolist(), params, frozenset(eos), bad)
-                                         for rid, slot, ids, params, eos, bad in news])
+                           new_requests=[NewRequest(rid, slot, ids.tolist(), params, frozenset(eos), bad, lora)
+                                         for rid, slot, ids, params, eos, bad, lora in news])

@@ -25,6 +25,11 @@ if the engine dies, every pending request fails with `EngineDeadError`,
 Per-request timings (arrival, first token, each token, finish) are recorded as
 outputs arrive; stats listeners (the server's metrics) get one `StepStats` per
 report.
+
+Adapters (vLLM's `add_lora` / `remove_lora` / `list_loras`) are engine calls:
+each submits ("call", id, method, args) and awaits a future that the report
+thread resolves from the loop's ("reply", id, ok, result) event; an engine-side
+error comes back as the caller's exception (ValueError for a refused adapter).
 """
 
 from __future__ import annotations
@@ -51,8 +56,11 @@ from polyrunner.prompt import Prompt
 from polyrunner.sampling_params import SamplingParams
 
 if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays light
+    from polyrunner.config import LoRAConfig
     from polyrunner.engine.llm_engine import LLMEngine
     from polyrunner.engine.tokenizer import Tokenizer
+    from polyrunner.lora.request import LoRARequest
+    from polyrunner.models.arch import DecoderArch
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +120,12 @@ StatsListener = Callable[[StepStats], None]
 class RequestStream:
     """One request's outputs, from the engine thread to one asyncio loop."""
 
-    def __init__(self, request_id: str, prompt: Prompt, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, prompt: Prompt, loop: asyncio.AbstractEventLoop,
+                 lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.loop = loop
+        self.lora_request = lora_request   # set on every output (an engine process's deltas leave it out)
         self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self.timings = RequestTimings(time.monotonic())
         self.last: RequestOutput | None = None     # engine thread only
@@ -198,6 +208,8 @@ class AsyncLLM:
         self._stopped = False
         self._dead: EngineDeadError | None = None
         self._listeners: list[StatsListener] = []
+        self._replies: dict[int, asyncio.Future[Any]] = {}   # engine calls awaiting their reply
+        self._last_call_id = 0
 
     # ---- what callers read ---------------------------------------------------------
     @property
@@ -227,6 +239,16 @@ class AsyncLLM:
     @property
     def vocab_size(self) -> int:
         return self._core.info.vocab_size
+
+    @property
+    def arch(self) -> DecoderArch | None:
+        """The model's architecture (to check an adapter against it)."""
+        return self._core.info.arch
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The engine's LoRA limits; None when LoRA is off (`enable_lora=False`)."""
+        return self._core.info.lora
 
     @property
     def counts(self) -> CoreCounts:
@@ -282,9 +304,11 @@ class AsyncLLM:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> RequestStream:
-        """Queue a request; returns its stream (an async iterator of RequestOutput).
-        Call from inside a running asyncio loop: the outputs arrive on that loop."""
+                    request_id: str | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (run with `lora_request`'s adapter when given); returns its stream
+        (an async iterator of RequestOutput). Call from inside a running asyncio loop: the
+        outputs arrive on that loop."""
         loop = asyncio.get_running_loop()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         params = sampling_params or SamplingParams()
@@ -297,10 +321,10 @@ class AsyncLLM:
                 raise EngineNotAcceptingError("the engine is shutting down and takes no new requests")
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            stream = RequestStream(request_id, prompt, loop)
+            stream = RequestStream(request_id, prompt, loop, lora_request)
             self._streams[request_id] = stream
             self._adds_sent += sequences(params)
-        self._submit(("add", request_id, prompt, params, priority))
+        self._submit(("add", request_id, prompt, params, priority, lora_request))
         return stream
 
     @contextlib.contextmanager
@@ -329,11 +353,12 @@ class AsyncLLM:
         self._core.submit([command])
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (cumulative) as tokens arrive; the last one has
         `finished=True`. Raises ValueError for an invalid request, EngineDeadError if
         the engine dies. Leaving the iteration early (or being cancelled) aborts it."""
-        stream = self.add_request(prompt, sampling_params, request_id, priority)
+        stream = self.add_request(prompt, sampling_params, request_id, priority, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -346,6 +371,46 @@ class AsyncLLM:
         stream ends with a `finish_reason="abort"` output. Unknown ids are ignored."""
         if request_id in self._streams:
             self._submit(("abort", request_id))
+
+    # ---- adapters (engine calls) --------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the engine (vLLM's); ValueError when LoRA is off or the
+        adapter is refused."""
+        return bool(await self._call("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine; False when it held none with that id."""
+        return bool(await self._call("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the adapters the engine holds."""
+        return set(await self._call("list_loras"))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Run `engine.method(*args)` on the engine loop (between steps) and return its
+        result; its exception is raised here (rebuilt: ValueError, TypeError or KeyError)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        with self._cv:
+            if self._dead is not None:
+                raise self._dead
+            if not self._accepting:
+                raise EngineNotAcceptingError("the engine is shutting down and takes no new calls")
+            self._last_call_id += 1
+            call_id = self._last_call_id
+            self._replies[call_id] = future
+        self._core.submit([("call", call_id, method, args)])   # never held back by `batch()`: awaited now
+        try:
+            return await future
+        finally:
+            with self._cv:
+                self._replies.pop(call_id, None)
+
+    def _fail_calls(self, error: BaseException) -> None:
+        """Every engine call still waiting for its reply raises `error`."""
+        with self._cv:
+            futures, self._replies = list(self._replies.values()), {}
+        for future in futures:
+            _resolve_soon(future, error)
 
     # ---- shutdown -------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 0.0) -> None:
@@ -362,6 +427,7 @@ class AsyncLLM:
             streams, self._streams = list(self._streams.values()), {}
             self._cv.notify_all()
         _deliver([(s, self._aborted_output(s)) for s in streams])
+        self._fail_calls(EngineNotAcceptingError("the engine shut down before it answered"))
 
     async def shutdown_async(self, timeout: float | None = 0.0) -> None:
         """`shutdown` without blocking the caller's loop (its streams keep flowing)."""
@@ -377,12 +443,17 @@ class AsyncLLM:
         ended: list[RequestStream] = []
         for event in events:
             kind = event[0]
+            if kind == "reply":
+                self._reply(event)
+                continue
             if kind == "outputs":
                 for out in event[1]:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
                     self._record(stream, out, now, stats)
+                    if out.lora_request is None:
+                        out.lora_request = stream.lora_request
                     stream.last = out
                     deliveries.append((stream, out))
                     if out.finished:
@@ -408,6 +479,13 @@ class AsyncLLM:
                 self._cv.notify_all()
         self._notify(stats)   # before delivery: a caller that got its output sees it counted
         _deliver(deliveries)
+
+    def _reply(self, event: Event) -> None:
+        _, call_id, ok, payload = event
+        with self._cv:
+            future = self._replies.pop(call_id, None)
+        if future is not None:
+            _resolve_soon(future, payload if ok else rebuild_error(*payload))
 
     def _notify(self, stats: StepStats) -> None:
         for listener in self._listeners:
@@ -446,7 +524,8 @@ class AsyncLLM:
             text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
             ids = list(prompt.get("prompt_token_ids") or []) if isinstance(prompt, dict) else []
             return RequestOutput(stream.request_id, text, ids,
-                                 outputs=[CompletionOutput(0, "", [], finish_reason="abort")], finished=True)
+                                 outputs=[CompletionOutput(0, "", [], finish_reason="abort")], finished=True,
+                                 lora_request=stream.lora_request)
         outs = [c if c.finished() else dataclasses.replace(c, finish_reason="abort") for c in last.outputs]
         return dataclasses.replace(last, outputs=outs, finished=True)
 
@@ -463,6 +542,7 @@ class AsyncLLM:
             self._outbox.clear()
             self._cv.notify_all()
         _deliver([(s, error) for s in streams])
+        self._fail_calls(error)
 
 
 def _check_picklable(processors: Any) -> None:
@@ -471,6 +551,22 @@ def _check_picklable(processors: Any) -> None:
     except Exception as exc:   # noqa: BLE001 - lambdas, closures, local classes
         raise ValueError("logits_processors must be picklable (module-level functions or classes) when the "
                          f"engine runs in its own process: {exc}") from None
+
+
+def _resolve_soon(future: asyncio.Future[Any], result: Any) -> None:
+    """Settle `future` on its loop with `result` (raised when it is an exception)."""
+    def settle() -> None:
+        if future.done():   # the caller was cancelled
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:   # that loop is closed: nobody is waiting any more
+        pass
 
 
 def _deliver(items: list[tuple[RequestStream, StreamItem]]) -> None:

@@ -3,8 +3,9 @@ in-process engine cores.
 
     loop:
         take the queued commands (wait for one when there is no work)
-        apply them between steps: ("add", request_id, prompt, params, priority),
-                                  ("abort", request_id), ("stop",)
+        apply them between steps: ("add", request_id, prompt, params, priority, lora_request),
+                                  ("abort", request_id), ("call", call_id, method, args),
+                                  ("stop",)
         step the engine if any request is unfinished
         report(events, counts)     # events in order; counts after them
 
@@ -16,6 +17,10 @@ slow (before any output of it) — ("aborted", request_id) once an abort freed
 the request's blocks, and ("outputs", [RequestOutput]) for a step. A
 "stop" aborts every request, reports them and ends the loop. An exception from
 `engine.step()` ends the loop too: the caller reports the engine dead.
+
+A "call" runs one of the engine's adapter methods (`CALLS`: add_lora,
+remove_lora, list_loras) between steps and answers with ("reply", call_id, True,
+result), or ("reply", call_id, False, (error type, message)) when it raised.
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 from polyrunner.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from polyrunner.config import LoRAConfig
     from polyrunner.engine.llm_engine import LLMEngine
     from polyrunner.engine.tokenizer import Tokenizer
+    from polyrunner.models.arch import DecoderArch
 
 Command: TypeAlias = tuple[Any, ...]
 Event: TypeAlias = tuple[Any, ...]
+
+CALLS = frozenset({"add_lora", "remove_lora", "list_loras"})   # the engine methods a "call" may run
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,12 @@ class CoreInfo:
     tokenizer: Tokenizer | None
     max_model_len: int
     vocab_size: int
+    arch: DecoderArch | None = None   # for checking an adapter against the model (frontend side)
+    lora: LoRAConfig | None = None    # None: LoRA is off
 
     @classmethod
     def of(cls, engine: LLMEngine) -> CoreInfo:
-        return cls(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size)
+        return cls(engine.tokenizer, engine.max_model_len, engine.arch.vocab_size, engine.arch, engine.config.lora)
 
 
 @dataclass(frozen=True)
@@ -153,16 +164,29 @@ class EngineLoop:
         if cmd[0] == "abort":
             self._abort(cmd[1], events)
             return
-        _, rid, prompt, params, priority = cmd
+        if cmd[0] == "call":
+            self._call(cmd[1], cmd[2], cmd[3], events)
+            return
+        _, rid, prompt, params, priority, lora_request = cmd
         self.adds_applied += sequences(params)
         try:
             self.engine.add_request(prompt, params, request_id=rid, stream=True, priority=priority,
-                                    wait_for_grammar=False)
+                                    wait_for_grammar=False, lora_request=lora_request)
         except Exception as exc:   # noqa: BLE001 - a bad request fails alone
             self.engine.abort_request(rid)   # drop any half-made state
             events.append(("rejected", rid, (type(exc).__name__, str(exc))))
             return
         self.active.add(rid)
+
+    def _call(self, call_id: int, method: str, args: tuple[Any, ...], events: list[Event]) -> None:
+        try:
+            if method not in CALLS:
+                raise ValueError(f"unknown engine call {method!r} (allowed: {sorted(CALLS)})")
+            result = getattr(self.engine, method)(*args)
+        except Exception as exc:   # noqa: BLE001 - the caller hears of it; the engine carries on
+            events.append(("reply", call_id, False, (type(exc).__name__, str(exc))))
+            return
+        events.append(("reply", call_id, True, result))
 
     def _abort(self, rid: str, events: list[Event]) -> None:
         self.engine.abort_request(rid)

@@ -161,7 +161,7 @@ def _decoded(events: list[Event], decoder: DeltaDecoder) -> list[Event]:
     for event in events:
         if event[0] == "outputs":
             event = ("outputs", [decoder.decode(d) for d in event[1]])
-        else:
+        elif event[0] != "reply":
             decoder.forget(event[1])
         out.append(event)
     return out
@@ -204,7 +204,7 @@ def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) ->
         for event in events:
             if event[0] == "outputs":
                 event = ("outputs", encoder.encode(event[1]))
-            else:
+            elif event[0] != "reply":
                 encoder.forget(event[1])
             wire.append(event)
         conn.send(("report", wire, counts))

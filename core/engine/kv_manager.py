@@ -33,7 +33,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position computed
         tokens = req.token_ids()
-        keys = chain_keys(tokens, self.block_size, num_blocks=(len(tokens) - 1) // self.block_size)
+        keys = chain_keys(tokens, self.block_size, _root(req), num_blocks=(len(tokens) - 1) // self.block_size)
         if self._computing:
             n = self.pool.num_cached_prefix(keys)
             if n < len(keys) and keys[n] in self._computing:
@@ -66,7 +66,7 @@ class KVCacheManager:
         n_full = (req.num_computed_tokens + num_new_tokens) // self.block_size
         if n_full <= len(keys):
             return
-        parent = hash(keys[-1]) if keys else 0
+        parent = hash(keys[-1]) if keys else _root(req)
         new_keys = chain_keys(req.token_ids(), self.block_size, parent, len(keys), n_full)
         self._computing_of[req.request_id] = new_keys
         for key in new_keys:
@@ -87,7 +87,7 @@ class KVCacheManager:
         n_full = req.num_computed_tokens // self.block_size
         if n_full <= len(keys):
             return
-        parent = hash(keys[-1]) if keys else 0
+        parent = hash(keys[-1]) if keys else _root(req)
         new_keys = chain_keys(req.token_ids(), self.block_size, parent, len(keys), n_full)
         self.pool.cache(self.blocks[req.request_id][len(keys):n_full], new_keys)
         keys.extend(new_keys)
@@ -104,3 +104,9 @@ class KVCacheManager:
 
     def num_held_blocks(self) -> int:
         return sum(len(b) for b in self.blocks.values())
+
+
+def _root(req: Request) -> int:
+    """The parent of a request's first block key: its adapter's, so requests share cached blocks
+    only with requests of the same adapter (vLLM's extra hash key)."""
+    return 0 if req.lora_request is None else hash(("lora", req.lora_request.lora_int_id))

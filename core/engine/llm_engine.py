@@ -34,6 +34,8 @@ from polyrunner.engine.output_processor import OutputProcessor
 from polyrunner.engine.request import Request, RequestStatus
 from polyrunner.engine.scheduler import Scheduler
 from polyrunner.engine.tokenizer import Tokenizer
+from polyrunner.lora.registry import AdapterRegistry
+from polyrunner.lora.request import LoRARequest
 from polyrunner.numeric import cdiv
 from polyrunner.outputs import RequestOutput
 from polyrunner.plugins import create_backend
@@ -83,8 +85,10 @@ class LLMEngine:
             weakref.finalize(self, _stop_tensor_parallel, self.tp_driver, self.backend)
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         spec = config.speculative
+        self.loras = AdapterRegistry(config.lora, self.arch)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   spec.num_speculative_tokens if spec is not None else 0)
+                                   spec.num_speculative_tokens if spec is not None else 0,
+                                   None if config.lora is None else config.lora.max_loras)
         self.outputs = OutputProcessor(self.tokenizer)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
@@ -152,18 +156,21 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = False, priority: int = 0, *,
-                    wait_for_grammar: bool = True) -> str:
+                    wait_for_grammar: bool = True, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request; raises ValueError before anything is scheduled.
         `stream`: `step()` reports it every step, not only when finished.
         `priority`: with scheduling_policy="priority", lower values run first.
         `wait_for_grammar`: with structured outputs, True compiles the grammar now
         (ValueError if invalid or past the time limit); False returns at once and
-        the grammar compiles off the step (see the module docstring)."""
+        the grammar compiles off the step (see the module docstring).
+        `lora_request`: the adapter to run with (needs LoRA enabled; read and checked against
+        the model the first time its id is seen)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         text, ids = self._tokenize(prompt)
         self._validate(ids, params)
         self._check_priority(priority)
+        self.loras.check(lora_request)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -174,7 +181,8 @@ class LLMEngine:
                 child_params = params.model_copy(
                     update={"n": 1, "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text, priority=priority)
+            child = Request(child_id, list(ids), child_params, max_tokens, self._eos, text, priority=priority,
+                            lora_request=lora_request)
             if params.bad_words:
                 assert self.tokenizer is not None   # `_validate` checked
                 child.bad_words_token_ids = params.bad_words_token_ids(self.tokenizer)
@@ -332,6 +340,24 @@ class LLMEngine:
         for child in self.outputs.children(request_id):
             self.scheduler.abort(child)   # the next step tells the runner
         self.outputs.drop(request_id)
+
+    # ---- adapters (vLLM's names) ---------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (ValueError if it cannot serve); False if its id is
+        already loaded with that folder."""
+        if self.config.lora is None:
+            self.loras.check(lora_request)   # raises: not enabled
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter `lora_id` (the runners drop it with the next step); False if unknown."""
+        removed = self.loras.remove(lora_id)
+        if removed:
+            self.scheduler.removed_loras.append(lora_id)
+        return removed
+
+    def list_loras(self) -> set[int]:
+        return self.loras.ids()
 
     def has_unfinished_requests(self) -> bool:
         """Requests still to finish, or (asynchronous scheduling) a step still in flight.

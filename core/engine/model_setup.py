@@ -23,6 +23,7 @@ from polyrunner.device.backend import Backend
 from polyrunner.distributed.group import TensorParallel, init_tensor_parallel
 from polyrunner.distributed.shard import TPShard
 from polyrunner.engine.attention_check import check_attention_features
+from polyrunner.lora.manager import LoRAManager
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.context_length import max_model_len
 from polyrunner.models.gguf.quantized import quantizer, select_quantization
@@ -86,13 +87,19 @@ def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | Non
     model = load_model(folder, model_cls, arch, backend.attention, limit, dtype, backend.device, prepare,
                        **parallel)   # logs what it loads and how long it took
     started = time.perf_counter()
-    replaced = apply_overrides(model, backend.op_overrides(dtype))   # the backend's faster modules, per role
+    overrides = backend.op_overrides(dtype)
+    replaced = apply_overrides(model, overrides)   # the backend's faster modules, per role
     logger.info("op overrides of backend %s: %s in %.1f s", backend.name,
                 ", ".join(f"{n} {role}" for role, n in replaced.items()) or "none", time.perf_counter() - started)
     runner_arch = arch if tp is None else dataclasses.replace(
         arch, num_heads=tp.shard.num_heads, num_kv_heads=tp.shard.num_kv_heads)
     runner = ModelRunner(config, backend, model, runner_arch, limit, dtype,
                          gather_vocab=None if tp is None else tp.gather_vocab)
+    if config.lora is not None:   # around the overridden linears, then the backend's "lora" op
+        shard = TPShard.single(arch) if tp is None else tp.shard
+        runner.attach_lora(LoRAManager(model, config.lora, arch, shard, runner.max_step_tokens, dtype, backend.device))
+        if "lora" in overrides:
+            apply_overrides(model, {"lora": overrides["lora"]})
     num_blocks = runner.initialize_kv_cache(agree=None if tp is None else tp.agree_min)
     return LoadedModel(folder, hf_config, arch, limit, dtype, quantization, runner, num_blocks)
 

@@ -180,7 +180,7 @@ class OutputProcessor:
         errors = [self._completions[c].request.error for c in parent.children]
         out = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.prompt_logprobs,
                             outs, done, num_cached_tokens=first.num_cached_tokens,
-                            error=next((e for e in errors if e), None))
+                            error=next((e for e in errors if e), None), lora_request=first.lora_request)
         if done:
             self.drop(parent_id)
         return out

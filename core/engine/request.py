@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from polyrunner.lora.request import LoRARequest
     from polyrunner.sampling_params import SamplingParams
 
 
@@ -60,6 +61,7 @@ class Request:
     slot: int | None = None
     priority: int = 0                    # priority scheduling: lower runs first
     arrival: int = 0                     # arrival order, stamped by the scheduler (ties of priority)
+    lora_request: "LoRARequest | None" = None   # the adapter it runs with (None: the base model)
     _progress: np.ndarray | None = field(default=None, repr=False)   # the scheduler's, while slotted
 
     @property
@@ -100,3 +102,8 @@ class Request:
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 without one."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id

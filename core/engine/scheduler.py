@@ -89,8 +89,10 @@ def _priority_key(req: Request) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, max_loras: int | None = None) -> None:
+        """`max_loras`: the most distinct adapters the running requests may use (None: LoRA off)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
@@ -107,6 +109,7 @@ class Scheduler:
         self._num_finished = 0                  # requests finished so far
         self._finished_slots: list[int] = []    # freed since the last step: the next step tells the runner
         self.num_in_flight = 0                  # steps scheduled and not yet updated
+        self.removed_loras: list[int] = []      # adapters removed since the last step: the next step tells the runner
 
     # ---- admission -------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -145,9 +148,9 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_fsm)
 
     def has_finished_requests(self) -> bool:
-        """Finished requests whose slots the runner has not been told of yet (vLLM's name):
-        the next `schedule()` hands them over, even without rows to run."""
-        return bool(self._finished_slots)
+        """Finished requests whose slots the runner has not been told of yet (vLLM's name), or
+        removed adapters: the next `schedule()` hands them over, even without rows to run."""
+        return bool(self._finished_slots or self.removed_loras)
 
     @property
     def num_waiting(self) -> int:
@@ -163,8 +166,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. May be called again before this step's `update` (see the
         module docstring); every non-empty step must be updated, in order."""
-        out = SchedulerOutput(num_finished_at_schedule=self._num_finished, finished_slots=self._finished_slots)
-        self._finished_slots = []
+        out = SchedulerOutput(num_finished_at_schedule=self._num_finished, finished_slots=self._finished_slots,
+                              removed_loras=self.removed_loras)
+        self._finished_slots, self.removed_loras = [], []
         budget = self.config.max_num_batched_tokens
         plan = self._schedule_running(out, budget)
         rows, slots, counts, computed = plan.rows, plan.slots, plan.num_scheduled, plan.num_computed
@@ -302,14 +306,21 @@ class Scheduler:
         admitted: list[tuple[Request, int]] = []
         chunked = self.config.enable_chunked_prefill
         caching = self.kv.enable_prefix_caching
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_req_ids:
                 break  # memory is short this step; admit nobody new
             req = self.waiting[0]
+            if loras is not None and not self._lora_fits(req, loras):
+                fits = next((r for r in self.waiting if self._lora_fits(r, loras)), None)
+                if fits is None:
+                    break
+                req = fits   # vLLM's rule: skip requests whose adapter would exceed max_loras
             if req.slot is None and not self.slots.num_free:
                 # every slot is held, some by preempted requests (priority order can put a
                 # newcomer ahead of them): resume one of those first
-                preempted = next((r for r in self.waiting if r.slot is not None), None)
+                preempted = next((r for r in self.waiting if r.slot is not None
+                                  and (loras is None or self._lora_fits(r, loras))), None)
                 if preempted is None:
                     break
                 req = preempted
@@ -343,12 +354,25 @@ class Scheduler:
             out.new_block_ids[req.slot] = self.kv.block_ids(req)
             if not resumed:
                 out.new_requests.append(NewRequest(req.request_id, req.slot, req.prompt_token_ids,
-                                                   req.params, req.eos_token_ids, req.bad_words_token_ids))
+                                                   req.params, req.eos_token_ids, req.bad_words_token_ids,
+                                                   req.lora_request))
             if caching:
                 self.kv.mark_computing(req, n)
+            if loras is not None and req.lora_id:
+                loras.add(req.lora_id)
             admitted.append((req, n))
             budget -= n
         return admitted
+
+    def _running_loras(self) -> set[int] | None:
+        """The adapter ids of the running requests (None: LoRA is off)."""
+        if self.max_loras is None:
+            return None
+        return {r.lora_id for r in self.running if r.lora_id}
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        assert self.max_loras is not None
+        return not req.lora_id or req.lora_id in loras or len(loras) < self.max_loras
 
     def _undo_admission(self, req: Request, resumed: bool) -> None:
         """Give back a prefix-cache claim (and a fresh slot) of a request not admitted."""

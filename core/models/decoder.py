@@ -26,6 +26,7 @@ from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
 from polyrunner.distributed.shard import TPShard
 from polyrunner.models.arch import DecoderArch
 from polyrunner.ops import GatedMLP, RMSNorm, RotaryEmbedding
+from polyrunner.ops.lora import lora_places
 
 AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                         AttentionMetadata, LayerSpec], torch.Tensor]
@@ -154,16 +155,20 @@ class DecoderForCausalLM(nn.Module):
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, vocab, bias=False)
+        # LoRA adapters on the embedding / LM head (polyrunner.lora.vocab), set when LoRA is enabled
+        self.embed_lora: nn.Module | None = None
+        self.lm_head_lora: nn.Module | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; vocabulary-parallel: each rank looks up its own range
-        (zeros elsewhere) and the all-reduce sums them."""
+        (zeros elsewhere) and the all-reduce sums them. Adapters' updates are added last."""
         if self.all_reduce is None:
-            return self.embed_tokens(input_ids)
-        local = input_ids - self.shard.vocab_start
-        outside = (local < 0) | (local >= self.shard.vocab_per_rank)
-        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
-        return self.all_reduce(x)
+            x = self.embed_tokens(input_ids)
+        else:
+            local = input_ids - self.shard.vocab_start
+            outside = (local < 0) | (local >= self.shard.vocab_per_rank)
+            x = self.all_reduce(self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0))
+        return x if self.embed_lora is None else self.embed_lora(input_ids, x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -175,7 +180,8 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for the given hidden rows (tensor-parallel:
         `[N, shard.vocab_per_rank]`, this rank's range)."""
-        return F.linear(hidden, self.lm_head_weight()).float()
+        logits = F.linear(hidden, self.lm_head_weight()).float()
+        return logits if self.lm_head_lora is None else self.lm_head_lora(hidden, logits)
 
     def lm_head_weight(self) -> torch.Tensor:
         """The `[vocab, hidden]` matrix of `compute_logits` (the embedding when tied)."""
@@ -193,6 +199,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.layers:
             yield from layer.replaceable()
         yield "rms_norm", self, "norm", self.norm
+        yield from lora_places(self)
 
     # ---- weights ---------------------------------------------------------
     # vLLM's name: fused module -> the checkpoint modules whose rows it stacks, in order

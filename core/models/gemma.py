@@ -32,6 +32,7 @@ from polyrunner.models.decoder import (
 )
 from polyrunner.models.gemma_norm import GemmaRMSNorm
 from polyrunner.ops import GatedMLP, RotaryEmbedding
+from polyrunner.ops.lora import lora_places
 
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -126,6 +127,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             yield "rotary", self, "rotary_local", self.rotary_local
         for layer in self.gemma_layers():
             yield from layer.replaceable()
+        yield from lora_places(self)
 
     def gemma_layers(self) -> list[GemmaLayer]:
         return [layer for layer in self.layers if isinstance(layer, GemmaLayer)]

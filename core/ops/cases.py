@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from polyrunner.ops.gated_mlp import GatedMLP
+from polyrunner.ops.lora import LoRALinear, LoRAMapping
 from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
@@ -174,3 +175,68 @@ def moe_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen: t
                 logits = logits.to(device=device, dtype=dtype)
                 calls.append(Call("forward", _shape(x), lambda m, x=x, g=logits: (m(x.clone(), g.clone()),)))
             yield Case(_ready(moe, dtype, device), tuple(calls))
+
+
+LORA_MAX_LORAS, LORA_MAX_RANK = 3, 16
+LORA_RANKS = (4, 8, 16, 0)   # the adapters' ranks, rotated over the slots per case (0: an empty slot)
+
+
+def _lora_slices(h: int, inter: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(in, output_slices) of a down_proj, a gate_up_proj and a qkv_proj at these sizes."""
+    return (inter, (h,)), (h, (inter, inter)), (h, (h, h // 4, h // 4))
+
+
+def _lora_weights(lora: LoRALinear, case: int, gen: torch.Generator) -> None:
+    """Slot l holds an adapter of rank `LORA_RANKS[(case + l) % 4]`, zero-padded to max_rank in
+    each output slice's block (the first slot's adapter skips the last slice of a fused linear:
+    a target module it does not have); B scaled like a folded lora_alpha / r."""
+    slots, ranks, inp = lora.lora_a.shape
+    out, big_r = lora.lora_b.shape[1], lora.max_rank
+    a, b = torch.zeros(slots, ranks, inp), torch.zeros(slots, out, ranks)
+    start = 0
+    for s, width in enumerate(lora.output_slices):
+        for slot in range(slots):
+            r = LORA_RANKS[(case + slot) % len(LORA_RANKS)]
+            untargeted = slot == 0 and len(lora.output_slices) > 1 and s == len(lora.output_slices) - 1
+            if r == 0 or untargeted:
+                continue
+            a[slot, s * big_r:s * big_r + r] = torch.randn(r, inp, generator=gen) * inp ** -0.5
+            b[slot, start:start + width, s * big_r:s * big_r + r] = torch.randn(width, r, generator=gen) * r ** -0.5
+        start += width
+    lora.lora_a.data, lora.lora_b.data = a, b
+
+
+def _token_lora(rows: int, slots: int, idle: int, gen: torch.Generator) -> torch.Tensor:
+    """Random slots in [-1, slots) for `rows` tokens, never `idle` (a slot that receives no token)."""
+    pick = torch.randint(0, slots, (rows,), generator=gen)   # 0 -> -1, others -> a slot != idle
+    choices = torch.tensor([-1] + [s for s in range(slots) if s != idle])
+    return choices[pick].to(torch.int32)
+
+
+def lora_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen: torch.Generator) -> Iterator[Case]:
+    """LoRALinear (an `nn.Linear` base, with a bias every other case) over each (hidden,
+    intermediate) pair with 1, 2 and 3 output slices (down_proj, gate_up_proj, qkv_proj shapes):
+    3 slots of max rank 16 holding adapters of ranks 4, 8 and 16 or an empty slot (`_lora_weights`);
+    per row count a random `token_lora` with tokens without an adapter (-1) and a slot that
+    receives no token, written into the module's mapping before its call."""
+    case = 0
+    for h, inter in zip(sizes.hidden, sizes.intermediate):
+        for inp, slices in _lora_slices(h, inter):
+            base = nn.Linear(inp, sum(slices), bias=bool(case % 2))
+            _random_linear(base, gen)
+            mapping = LoRAMapping(max(sizes.rows), device)
+            lora = LoRALinear(base, inp, slices, LORA_MAX_LORAS, LORA_MAX_RANK, mapping, torch.float32, "cpu")
+            _lora_weights(lora, case, gen)
+            calls = []
+            for i, rows in enumerate(sizes.rows):
+                x = _randn((rows, inp), gen, dtype, device)
+                slots = _token_lora(rows, LORA_MAX_LORAS, (case + i) % LORA_MAX_LORAS, gen).to(device)
+
+                def run(m: nn.Module, x: torch.Tensor = x, slots: torch.Tensor = slots) -> tuple[torch.Tensor, ...]:
+                    mapping = m.mapping   # the module's own (a replacement keeps it)
+                    assert isinstance(mapping, LoRAMapping)
+                    mapping.set(slots)
+                    return (m(x.clone()),)
+                calls.append(Call("forward", _shape(x), run))
+            yield Case(_ready(lora, dtype, device), tuple(calls))
+            case += 1

@@ -18,8 +18,17 @@ from typing import Any
 from torch import nn
 
 from polyrunner.attention.reference import reference_paged_attention
-from polyrunner.ops.cases import CaseMaker, gated_mlp_cases, linear_cases, moe_cases, rms_norm_cases, rotary_cases
+from polyrunner.ops.cases import (
+    CaseMaker,
+    gated_mlp_cases,
+    linear_cases,
+    lora_cases,
+    moe_cases,
+    rms_norm_cases,
+    rotary_cases,
+)
 from polyrunner.ops.gated_mlp import GatedMLP
+from polyrunner.ops.lora import LoRALinear
 from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
@@ -57,11 +66,18 @@ MOE = Role("moe", FusedMoE, (
     "experts' gated MLPs (w13_weight [E, 2I, H]: gate then up rows; w2_weight [E, H, I]) summed by the "
     "routing weights; attributes num_experts, top_k, intermediate, renormalize, scoring and both weights, "
     "which a replacement keeps. The router is a separate \"linear\"."), moe_cases)
+LORA = Role("lora", LoRALinear, (
+    "forward(x [T, in]) -> [T, out] = add_lora(base(x), x, lora_a, lora_b, mapping.token_lora[:T]) "
+    "(polyrunner.ops.lora): each token's adapter slot (-1: none) adds (x @ lora_a[slot].T) @ lora_b[slot].T; "
+    "attributes base, lora_a [L, S*R, in], lora_b [L, out, S*R] (block diagonal per output slice, scaling "
+    "folded in), output_slices, max_rank and mapping, which a replacement keeps and reads at call time "
+    "(adapters are written into the slots in place). Wrapped around the linears after the other roles' "
+    "overrides, only when LoRA is enabled."), lora_cases)
 ATTENTION = Role("attention", reference_paged_attention, (
     "Backend.attention(q, k, v, kv_cache, meta, spec) -> [T_pad, Hq, D]: write this step's k/v at "
     "meta.slot_mapping, then attend each request's queries to its context. Overridden by defining "
     "Backend.attention, not through op_overrides."), None)
 
-ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, MOE, ATTENTION)}
+ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, MOE, LORA, ATTENTION)}
 # the roles `Backend.op_overrides` may name, in the order `apply_overrides` replaces them (innermost first)
-MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name, MOE.name)
+MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name, MOE.name, LORA.name)

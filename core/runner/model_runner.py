@@ -40,6 +40,7 @@ from polyrunner.config import EngineConfig
 from polyrunner.device.backend import Backend, GraphExecutor, ModelInputs, model_compute_logits
 from polyrunner.device.kv_spec import KVCacheSpec
 from polyrunner.distributed.logits import GatherLogits
+from polyrunner.lora.manager import LoRAManager
 from polyrunner.models.arch import DecoderArch
 from polyrunner.numeric import cdiv, cumsum_and_arange
 from polyrunner.runner.async_output import PLACEHOLDER, AsyncModelRunnerOutput
@@ -123,6 +124,18 @@ class ModelRunner:
         self._decode_ready = False   # the last step is an unpadded all-decode step
         spec = config.speculative
         self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
+        self.lora: LoRAManager | None = None   # `attach_lora`, with LoRA enabled
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens (padded) a step or a start-up run gives the model."""
+        sched = self.config.scheduler
+        return max(self.buckets.pad(sched.max_num_batched_tokens, sched.max_num_seqs)[0],
+                   sched.max_num_batched_tokens)
+
+    def attach_lora(self, manager: LoRAManager) -> None:
+        """Serve adapters through `manager` (made on this runner's model before `initialize_kv_cache`)."""
+        self.lora = manager
 
     # ---- start-up ---------------------------------------------------------
     def initialize_kv_cache(self, agree: Callable[[int], int] | None = None) -> int:
@@ -214,9 +227,14 @@ class ModelRunner:
             self._last_decode = None
             if self._in_flight is not None:
                 self._in_flight.drop_slots(so.finished_slots)
+        if so.removed_loras and self.lora is not None:
+            for lora_id in so.removed_loras:
+                self.lora.remove(lora_id)
         for new in so.new_requests:
             seed = new.params.seed
             states.add(new, self.backend.make_generator(seed) if seed is not None else None)
+            if new.lora_request is not None and self.lora is not None:
+                self.lora.register(new.lora_request)
         states.apply(so)
 
     # ---- one step: update states -> prepare inputs -> run -> logits -> sample -> output
@@ -420,11 +438,14 @@ class ModelRunner:
             inputs = self._to_device(step)
             if write is not None:
                 write(inputs.input_ids)
+        logits_indices = step.logits_indices
         if so.num_draft_tokens is not None:   # logits at each row's last token and at its drafts
             counts = so.num_draft_tokens.astype(np.int64) + 1
             ends = step.query_start_loc[1:R + 1].astype(np.int64)
-            inputs.logits_indices = self.backend.to_device(np.repeat(ends - counts, counts)
-                                                           + cumsum_and_arange(counts)[1])
+            logits_indices = np.repeat(ends - counts, counts) + cumsum_and_arange(counts)[1]
+            inputs.logits_indices = self.backend.to_device(logits_indices)
+        if self.lora is not None:
+            self.lora.prepare_step(states.lora_id[so.slots], step.token_to_req, step.num_tokens, logits_indices)
         # a one-token prefill chunk looks like a decode, but its sample is discarded:
         # the next step's input is the prompt's next token, not that sample
         self._decode_ready = all_decode and not step.discard.any()
@@ -469,6 +490,8 @@ class ModelRunner:
             last = min(computed + int(so.num_scheduled[row]), num_prompt - 1)
             if last > first:
                 start = int(step.query_start_loc[row]) + first - computed
+                if self.lora is not None:
+                    self.lora.prepare_logits(int(states.lora_id[slot]), last - first)
                 logits = model_compute_logits(self.model)(hidden[start:start + last - first])
                 if self.gather_vocab is not None:
                     logits = self.gather_vocab(logits)

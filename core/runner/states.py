@@ -29,6 +29,7 @@ class RequestStates:
         self.block_table = BlockTable(num_slots, max_blocks_per_req, block_size)
         self.sampling = sampling
         self.req_ids: list[str | None] = [None] * num_slots
+        self.lora_id = np.zeros(num_slots, dtype=np.int64)   # the request's adapter id (0: none)
         self.prompt_logprobs_done: dict[int, int] = {}      # slot -> prompt positions returned
 
     @property
@@ -47,6 +48,7 @@ class RequestStates:
         self.sampling.add_row(slot, new.params, generator, new.bad_words_token_ids,
                               eos_token_ids=new.eos_token_ids)
         self.req_ids[slot] = new.request_id
+        self.lora_id[slot] = 0 if new.lora_request is None else new.lora_request.lora_int_id
         if new.params.prompt_logprobs is not None:
             self.prompt_logprobs_done[slot] = 0
 
@@ -83,6 +85,7 @@ class RequestStates:
         if self.req_ids[slot] is None:
             return
         self.req_ids[slot] = None
+        self.lora_id[slot] = 0
         self.sampling.clear_row(slot)
         self.block_table.reset_row(slot)
         self.prompt_logprobs_done.pop(slot, None)

@@ -13,7 +13,16 @@ import codecs
 import json
 from typing import Any, get_args
 
-from polyrunner.config import CacheConfig, DType, ModelConfig, ParallelConfig, SchedulerConfig, default_of
+from polyrunner.config import (
+    LORA_RANKS,
+    CacheConfig,
+    DType,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    default_of,
+)
 
 __all__ = ["ENGINE_ARGS", "add_engine_args", "add_model_args", "engine_kwargs", "resolve_model",
            "add_chat_template_arg", "load_chat_template", "HelpFormatter"]
@@ -79,6 +88,16 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "speculative_config": (("--speculative-config",), dict(type=json.loads, default=None,
                            help='speculative decoding as JSON (vLLM\'s), e.g. '
                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'')),
+    "enable_lora": (("--enable-lora",), dict(action=argparse.BooleanOptionalAction, default=False,
+                    help="serve LoRA adapters next to the base model (vLLM's; requests name an adapter with "
+                         "`lora_request`, or, served, as their `model`)")),
+    "max_loras": (("--max-loras",), dict(type=int, default=default_of(LoRAConfig, "max_loras"),
+                  help="most distinct adapters in one batch (device-resident adapter slots); with --enable-lora")),
+    "max_lora_rank": (("--max-lora-rank",), dict(type=int, default=default_of(LoRAConfig, "max_lora_rank"),
+                      choices=list(LORA_RANKS), help="highest adapter rank the slots hold; with --enable-lora")),
+    "max_cpu_loras": (("--max-cpu-loras",), dict(type=int, default=None,
+                      help="adapters kept read in host memory, >= --max-loras (default: --max-loras); with "
+                           "--enable-lora")),
     "trust_remote_code": (("--trust-remote-code",), dict(action="store_true",
                           help="accepted for vLLM compatibility and not needed: polyrunner runs no model code "
                                "from the hub (its model implementations are its own)")),

@@ -173,7 +173,7 @@ class ConformanceContext:
                                                                    s.max_num_batched_tokens),
                                       async_scheduling=o.pop("async_scheduling", None)),
             parallel=ParallelConfig(tensor_parallel_size=o.pop("tensor_parallel_size", 1)),
-            speculative=o.pop("speculative", None),
+            speculative=o.pop("speculative", None), lora=o.pop("lora", None),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
         return cfg
 

@@ -87,8 +87,10 @@ def _check_role(backend, role: str, factory: OpFactory, dtype: torch.dtype, size
 
 @check("ops")
 def check_overrides_match_reference(ctx) -> str:
-    """Every op override's module gives the role's reference result on random cases, per declared dtype."""
-    backend = ctx.new_backend()
+    """Every op override's module gives the role's reference result on random cases, per declared dtype
+    (the backend made with LoRA enabled, so that it offers its "lora" op too)."""
+    from polyrunner.config import LoRAConfig
+    backend = ctx.new_backend(lora=LoRAConfig())
     sizes = case_sizes(ctx.arch)
     notes, none = [], []
     for dtype in backend.capabilities.dtypes:

@@ -3,7 +3,9 @@
 `build_app(async_llm, ...)` returns the app; `polyrunner serve` runs it with
 uvicorn (launcher.py). Endpoints: POST /v1/completions, POST
 /v1/chat/completions, GET /v1/models, GET /health, GET /metrics, POST
-/tokenize, POST /detokenize.
+/tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST
+/v1/unload_lora_adapter. LoRA adapters are served as models of their own
+(`lora.py`): a request naming one as its `model` runs with it.
 
 Every request is parsed and validated here (tokenized too, so usage counts and
 the max_model_len check need no engine round trip), large bodies and prompts in
@@ -34,11 +36,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, EngineNotAcceptingError
 from polyrunner.engine.engine_loop import sequences
 from polyrunner.engine.tokenizer import PromptTooLong
+from polyrunner.lora.request import LoRARequest
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.tools.serve import protocol as P
 from polyrunner.tools.serve.calls import Call, json_response
 from polyrunner.tools.serve.formats import ChatFormat, CompletionFormat, sse
 from polyrunner.tools.serve.guard import Guard
+from polyrunner.tools.serve.lora import LoRAModulePath, ServedLoRAs
 from polyrunner.tools.serve.metrics import ServerMetrics
 from polyrunner.tools.serve.offload import Offload
 
@@ -53,14 +57,16 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
               max_waiting: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               shutdown_timeout: float | None = None, retry_after_s: int = 1,
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> FastAPI:
     """The app. `max_waiting`: answer 503 + Retry-After when a request's sequences
     (prompts x n) would make more than this many wait for a slot.
     `max_prompts_per_request`: 400 above it. `shutdown_timeout`: when not None, the
     app owns `async_llm`: once the server's shutdown begins (`app.state.drain()`),
     calls still open after that many seconds end with a 503, and the app then
     shuts `async_llm` down. `chat_template`: the template chat requests render with
-    (vLLM's `--chat-template`; None: the model's own)."""
+    (vLLM's `--chat-template`; None: the model's own). `lora_modules`: adapters served
+    from the start (vLLM's `--lora-modules`), loaded when the app starts; a failure
+    stops the start-up (`app.state.startup_error` holds the ValueError)."""
     names = list(served_model_names or ["polyrunner"])
     server = Server(async_llm, names, max_waiting, max_prompts_per_request, retry_after_s,
                     ServerMetrics(async_llm, names[0]))
@@ -69,6 +75,12 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            await server.loras.load_static(lora_modules or [])
+        except ValueError as exc:
+            logger.error("%s", exc)
+            app.state.startup_error = exc
+            raise
         try:
             yield
         finally:
@@ -80,6 +92,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
     app = FastAPI(title="polyrunner", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.drain = lambda: server.drain(shutdown_timeout)
+    app.state.startup_error = None
 
     @app.exception_handler(P.RequestError)
     async def _request_error(request: Request, exc: P.RequestError) -> Response:
@@ -114,7 +127,17 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
     @app.get("/v1/models")
     async def models() -> Response:
         cards = [P.ModelCard(id=n, root=names[0], max_model_len=async_llm.max_model_len) for n in names]
-        return json_response(P.ModelList(data=cards))
+        return json_response(P.ModelList(data=cards + server.loras.cards()))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, P.LoadLoRAAdapterRequest, server.offload)
+        return Response(await server.loras.load(req.lora_name, req.lora_path), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = await parse_body(request, P.UnloadLoRAAdapterRequest, server.offload)
+        return Response(await server.loras.unload(req.lora_name), media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -153,7 +176,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
         model = server.check_model(req.model)
         params = req.sampling_params()
         prompts = await server.prompts(req.prompts(), "prompt")
-        call = await server.start(request, "cmpl", prompts, params, req.param_names())
+        call = await server.start(request, "cmpl", prompts, params, req.param_names(), server.loras.get(model))
         fmt = CompletionFormat(async_llm.tokenizer, call, req, model)
         if req.stream:
             return sse(call, fmt.stream())
@@ -168,7 +191,8 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
                                              cost=len(await request.body()))
         prompt = server.checked_prompt(text, ids, "messages")
         params = req.sampling_params(async_llm.max_model_len - len(prompt["prompt_token_ids"]))
-        call = await server.start(request, "chatcmpl", [prompt], params, req.param_names())
+        call = await server.start(request, "chatcmpl", [prompt], params, req.param_names(),
+                                  server.loras.get(model))
         fmt = ChatFormat(async_llm.tokenizer, call, req, model)
         if req.stream:
             return sse(call, fmt.stream())
@@ -208,15 +232,18 @@ class Server:
         self.metrics = metrics
         self.vocab_size = async_llm.vocab_size
         self.offload = Offload()
+        self.loras = ServedLoRAs(async_llm, names, self.offload)
         self.calls: set[Call] = set()
         self._deadline: float | None = None   # loop time at which open calls expire (shutdown)
         self._shut: P.RequestError | None = None   # after the deadline: the answer to every call
         self.chat_template: str | None = None      # the server's --chat-template (None: the model's)
 
     def check_model(self, model: str | None) -> str:
+        """The served name a request's `model` means: a base name or an adapter's (404 otherwise,
+        vLLM's answer: an adapter that is not, or no longer, loaded is an unknown model)."""
         if model is None or model == "":
             return self.names[0]
-        if model not in self.names:
+        if model not in self.names and self.loras.get(model) is None:
             raise P.RequestError(f"The model `{model}` does not exist.", "model", 404, "model_not_found")
         return model
 
@@ -295,9 +322,10 @@ class Server:
                               param, code="context_length_exceeded")
 
     async def start(self, request: Request, prefix: str, prompts: list[dict[str, Any]],
-                    params: SamplingParams, param_names: dict[str, str] | None = None) -> Call:
-        """Admit the prompts (together: they join the same engine step) and wait for
-        the engine to accept them; engine-side rejections become 4xx."""
+                    params: SamplingParams, param_names: dict[str, str] | None = None,
+                    lora_request: LoRARequest | None = None) -> Call:
+        """Admit the prompts (together: they join the same engine step; with `lora_request`'s
+        adapter) and wait for the engine to accept them; engine-side rejections become 4xx."""
         if not self.llm.is_healthy:
             raise P.RequestError(str(self.llm.dead_error or "the engine is not running"), None, 503,
                                  type="server_error")
@@ -312,7 +340,8 @@ class Server:
         rid = P.random_id(prefix)
         try:
             with self.llm.batch():
-                streams = [self.llm.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}")
+                streams = [self.llm.add_request(p, params, rid if len(prompts) == 1 else f"{rid}-{i}",
+                                                lora_request=lora_request)
                            for i, p in enumerate(prompts)]
         except EngineNotAcceptingError as exc:
             raise P.RequestError(str(exc), None, 503, "shutting_down", type="server_error") from None

@@ -3,9 +3,12 @@
     polyrunner serve                                   # embedded model on http://127.0.0.1:8000
     polyrunner serve ./my-llama --port 9000 --api-key secret --max-waiting 256
     polyrunner serve Org/Model --gpu-memory-utilization 0.5 --no-enable-prefix-caching
+    polyrunner serve ./my-llama --enable-lora --lora-modules sql=./sql-lora chat=./chat-lora
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, /tokenize, /detokenize. The engine runs in its own process
+/metrics, /tokenize, /detokenize, /v1/load_lora_adapter,
+/v1/unload_lora_adapter. A LoRA adapter is served under its name: a request
+whose `model` is that name runs with it. The engine runs in its own process
 (`--no-engine-process`: in a thread of the server).
 """
 
@@ -22,6 +25,7 @@ from polyrunner.tools.engine_args import (
     load_chat_template,
 )
 from polyrunner.tools.serve import envs
+from polyrunner.tools.serve.lora import LoRAModulesAction
 
 
 def add_parser(subparsers) -> None:
@@ -36,6 +40,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the model's file or folder name, or its Hugging Face "
                         "name as given)")
+    p.add_argument("--lora-modules", nargs="+", action=LoRAModulesAction, default=None, metavar="ENTRY",
+                   help="LoRA adapters served from the start (with --enable-lora), each as name=path or as JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (vLLM's forms); a request "
+                        "names one as its `model`")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="answer 503 + Retry-After when a request's sequences (prompts x n) would make more than "
                         "this many wait for a slot (default: no cap)")
@@ -74,6 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from polyrunner.tools.serve.launcher import make_server, run_server
 
     chat_template = load_chat_template(args.chat_template)   # a bad path fails before the model loads
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora (LoRA is off without it)")
     api_key = args.api_key if args.api_key is not None else envs.API_KEY.get()
     log_level = getattr(args, "log_level", None) or "info"   # main() sets it from --log-level
     async_llm = AsyncLLM(**engine_kwargs(args), prefault_kv_cache=args.prefault_kv_cache,
@@ -82,10 +92,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(async_llm, served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,
                     max_prompts_per_request=args.max_prompts_per_request or DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                    shutdown_timeout=args.shutdown_timeout, chat_template=chat_template)
+                    shutdown_timeout=args.shutdown_timeout, chat_template=chat_template,
+                    lora_modules=args.lora_modules)
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          log_level=log_level)
     try:
-        return run_server(server)
+        code = run_server(server)
+    except SystemExit:   # uvicorn exits when the app's start-up fails
+        if app.state.startup_error is None:
+            raise
+        code = 1
     finally:
         async_llm.shutdown(0)
+    if app.state.startup_error is not None:   # a --lora-modules adapter that would not load
+        raise app.state.startup_error
+    return code

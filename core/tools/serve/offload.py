@@ -1,7 +1,8 @@
 """A request's CPU work (body validation, tokenization, chat templates) off the event loop.
 
 `Offload.run(fn, *args, cost=n)` calls `fn` inline while `cost` (bytes or
-characters of input) is small, and otherwise in a small thread pool of its own,
+characters of input) is small, and otherwise in a small thread pool of its own
+(`Offload.thread(fn, *args)`: always there),
 so one large body or prompt never stalls /health or the other streams. The
 tokenizer releases the GIL while it encodes (`Tokenizer.encode_batch`); Python
 work in the pool (pydantic errors, jinja) shares the GIL with the loop in
@@ -33,6 +34,10 @@ class Offload:
         """`fn(*args)`: inline when `cost <= INLINE_MAX_COST`, else in the pool. Its exceptions propagate."""
         if cost <= INLINE_MAX_COST:
             return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the pool, whatever it costs (disk reads: an adapter's files)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def close(self) -> None:

@@ -299,6 +299,20 @@ class DetokenizeRequest(_Request):
     tokens: IntList
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # --------------------------------------------------------------------- responses
 
 
@@ -411,6 +425,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "polyrunner"
     root: str | None = None
+    parent: str | None = None          # an adapter's base model (vLLM's)
     max_model_len: int | None = None
 
 

@@ -1,0 +1,115 @@
+"""The "lora" role: a linear plus the low-rank updates of the adapters in a step, per token.
+
+Adapters live in `max_loras` device slots, stacked and zero-padded so every
+shape is fixed (graph capture, static-shape backends):
+
+- `lora_a [L, S * R, in]`: slot l's A matrices, sub-projection s in rows `s*R : s*R + r_s`;
+- `lora_b [L, out, S * R]`: slot l's B matrices, already multiplied by the adapter's scaling;
+  block diagonal: the rows of output slice s read only columns `s*R : (s+1)*R`;
+- `token_lora [T]` int32: each token's slot, -1 for a token without an adapter.
+
+`R` is `max_lora_rank`, `S` the number of sub-projections fused in the linear
+(`output_slices`: 3 for qkv, 2 for gate_up, else 1). A token of slot l gets
+`(x @ lora_a[l].T) @ lora_b[l].T` added to the base output; a token with -1 gets
+nothing. An empty slot is all zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+             token_lora: torch.Tensor) -> torch.Tensor:
+    """`y [T, out]` plus each token's adapter update (module doc), computed in float32 and
+    returned in y's dtype. The reference: a loop over the slots, each applied to every token and
+    masked, so the shapes never depend on the step (graph-safe; a device override groups tokens
+    by slot instead and skips the others)."""
+    acc = y.float()
+    xf = x.float()
+    for slot in range(lora_a.shape[0]):
+        delta = (xf @ lora_a[slot].float().t()) @ lora_b[slot].float().t()
+        acc = acc + delta * (token_lora == slot).unsqueeze(-1)
+    return acc.to(y.dtype)
+
+
+class LoRAMapping:
+    """The step's `token_lora` for every LoRA linear of a model: one persistent int32
+    buffer of `max_tokens` entries on the device (a graph input: written in place before
+    each step, never reallocated); a linear called with T rows reads `token_lora[:T]`.
+    `logits_lora`: the same for the rows whose logits are computed (the LM head's adapters)."""
+
+    def __init__(self, max_tokens: int, device: torch.device | str = "cpu") -> None:
+        self.token_lora = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.logits_lora = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+
+    def set_logits(self, rows: torch.Tensor) -> None:
+        """The slots of the next logits rows (`[N]`); the rest become -1."""
+        n = int(rows.shape[0])
+        self.logits_lora[:n].copy_(rows, non_blocking=True)
+        self.logits_lora[n:].fill_(-1)
+
+    def set(self, token_lora: torch.Tensor) -> None:
+        """This step's slots (`[T]`, T <= max_tokens); the rest of the buffer becomes -1."""
+        n = int(token_lora.shape[0])
+        if n > self.token_lora.shape[0]:
+            raise ValueError(f"a step of {n} tokens exceeds the LoRA mapping's {self.token_lora.shape[0]}")
+        self.token_lora[:n].copy_(token_lora, non_blocking=True)
+        self.token_lora[n:].fill_(-1)
+
+
+# the "lora" role's attributes a replacement keeps (the same objects: base module, parameters, mapping)
+ROLE_ATTRIBUTES = ("base", "in_features", "output_slices", "max_rank", "mapping", "lora_a", "lora_b")
+
+
+def keep_lora_attributes(dst: nn.Module, src: nn.Module) -> None:
+    """Give an override `dst` the role attributes of the LoRA linear `src` it replaces."""
+    for name in ROLE_ATTRIBUTES:
+        setattr(dst, name, getattr(src, name))
+
+
+class LoRALinear(nn.Module):
+    """`base` (any module with a linear's call) plus the adapters in the slots.
+
+    `forward(x [T, in]) -> [T, out] = add_lora(base(x), x, lora_a, lora_b, mapping.token_lora[:T])`.
+    Attributes a replacement keeps: `base`, `lora_a`, `lora_b`, `output_slices`, `max_rank` and
+    `mapping`. Adapters are written into `lora_a` / `lora_b` in place when they are loaded, so a
+    replacement reads them at call time (it may not pack or copy them once)."""
+
+    def __init__(self, base: nn.Module, in_features: int, output_slices: tuple[int, ...], max_loras: int,
+                 max_rank: int, mapping: LoRAMapping, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features = in_features
+        self.output_slices = output_slices
+        self.max_rank = max_rank
+        self.mapping = mapping
+        ranks, out = len(output_slices) * max_rank, sum(output_slices)
+        self.lora_a = nn.Parameter(torch.zeros(max_loras, ranks, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.lora_b = nn.Parameter(torch.zeros(max_loras, out, ranks, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    @property
+    def max_loras(self) -> int:
+        return int(self.lora_a.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        return add_lora(y, x, self.lora_a, self.lora_b, self.mapping.token_lora[: x.shape[0]])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, output_slices={self.output_slices}, max_loras={self.max_loras}, " \
+               f"max_rank={self.max_rank}"
+
+
+def lora_places(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
+    """`("lora", parent, attribute, module)` for each `LoRALinear` in `model`: a model's
+    `replaceable_modules` entries for the "lora" role (none unless LoRA wrapped its linears)."""
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, LoRALinear):
+                yield "lora", parent, attr, child
