@@ -4,8 +4,8 @@ concurrent requests with no adapter, one adapter for all, and 8 adapters of rank
     .venv/bin/python benchmarks/lora.py [--repeats 3] [--skip-vllm] [--out FILE]
 
 Adapters are random PEFT folders of rank 16 on every attention and MLP projection (written
-once under ~/.cache/polyrunner/bench-lora with peft's `LoraConfig` and safetensors: nothing
-but shapes matters for speed). One engine per runner (`enable_lora=True, max_loras=8,
+once under ~/.cache/polyrunner/bench-lora by `polyrunner.lora.peft.save_adapter`: nothing but
+shapes matters for speed). One engine per runner (`enable_lora=True, max_loras=8,
 max_lora_rank=16`) serves all three workloads, so its figures share warm-up, kernels and machine
 state; vLLM's CPU engine runs the same folder and adapters in its own venv (this file with
 `--inner vllm`) as the anchor. Each workload: 32 prompts of 16 random token ids, 128 new tokens,
@@ -40,25 +40,18 @@ RANK, NUM_ADAPTERS, CONCURRENCY, PROMPT_LEN, MAX_TOKENS = 16, 8, 32, 16, 128
 
 def ensure_adapters() -> list[Path]:
     """NUM_ADAPTERS random rank-16 PEFT folders for SmolLM2-135M, written on first use."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
+    from polyrunner.lora.peft import LoRAWeights, save_adapter
     folders = []
     for i in range(NUM_ADAPTERS):
         folder = FOLDER / f"adapter{i}"
         folders.append(folder)
         if (folder / "adapter_model.safetensors").is_file():
             continue
-        folder.mkdir(parents=True, exist_ok=True)
-        LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(SHAPES)).save_pretrained(str(folder))
         gen = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(LAYERS):
-            for name, (out, fan_in) in SHAPES.items():
-                block = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{block}.{name}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=gen) * 0.02
-                tensors[f"{key}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.02
-        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        modules = {(layer, name): LoRAWeights(torch.randn(RANK, fan_in, generator=gen) * 0.02,
+                                              torch.randn(out, RANK, generator=gen) * 0.02)
+                   for layer in range(LAYERS) for name, (out, fan_in) in SHAPES.items()}
+        save_adapter(folder, modules, RANK, 2 * RANK)
     return folders
 
 

@@ -5,7 +5,8 @@ C++ call per LoRA linear, against the core's `LoRALinear` (`add_lora`) within th
   without an adapter, a slot without tokens), float32 and bfloat16, on the native build (AVX-512F
   where the CPU has it) and the portable one (plain loops, as POLYRUNNER_CPU_SIMD=0 loads);
 - edge mappings: every token -1, every token in one slot, slots outside [0, L), no token, several
-  kernel passes, x rows read through a stride; the adapters change the result;
+  kernel passes, x rows read through a stride; ranks 8/16/32 with whole and partial 16-column
+  blocks and slots of 1..300 tokens; the adapters change the result;
 - the module keeps the role's attributes and reads the slots at call time; the factory keeps what
   the kernel does not take; registered only with LoRA enabled, for float32 and bfloat16;
 - a CPU graph records the call and its replay reads token_lora and the adapters as they are then.
@@ -98,6 +99,24 @@ def test_edge_mappings(dtype, lora_lib):
     wide = torch.randn(9, 56, generator=gen).to(dtype)
     _check(override, reference, wide[:, 16:], torch.randint(-1, 3, (9,), generator=gen).to(torch.int32))
     assert override(x[:0]).shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [8, 16, 32])
+def test_ranks_block_widths_and_tokens_per_slot(dtype, rank, lora_lib):
+    """Ranks below, at and above the expand's transposed block (16 x 16), slices of whole and
+    partial 16-column blocks, and slots with 1..5 tokens (groups of 4 and the rest) or with more
+    tokens than one pass of the expand (256)."""
+    reference = _lora(48, (40, 16, 24), dtype, max_loras=2, rank=rank, max_tokens=300, seed=rank)
+    override = LoRAOverride(300)(copy.deepcopy(reference))
+    assert isinstance(override, CPULoRALinear) and override.chunk == 300
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(300, 48, generator=gen).to(dtype)
+    many = torch.randint(-1, 2, (300,), generator=gen)
+    many[torch.randperm(300, generator=gen)[:270]] = 1
+    _check(override, reference, x, many.to(torch.int32))
+    for slots in ([0, 1, 0, 0, 0, 0, -1], [1], [0, 1, 1, -1, 1, 1, 1]):
+        _check(override, reference, x[:len(slots)], torch.tensor(slots, dtype=torch.int32))
 
 
 def test_the_adapters_change_the_result(lora_lib):

@@ -10,13 +10,20 @@
 // B and s (the block diagonal: the zero blocks are skipped). Products and sums in float32; a
 // bfloat16 y is widened, added to and rounded once (as the reference add_lora does).
 //
-// Weights are read in place (the adapters are written into the slots between steps): bfloat16
-// rows widened to float32 by a 16-bit shift (AVX-512F only) when loaded; each weight vector
-// serves MR token rows. Work items are (slot, NR rows of A) for the shrink and (slot, TILE_N
+// Weights are read in place (the adapters are written into the slots between steps), bfloat16
+// widened to float32 by a 16-bit shift (AVX-512F only). The shrink runs dot blocks of MR tokens x
+// NR rows of A (widen_dot.h); float32 x rows are read in place, bfloat16 ones widened once. The
+// expand has K = R (16 at vLLM's default), too short for one horizontal sum per output: it goes
+// over blocks of V = 16 output columns instead, the block's 16 x R piece of B transposed once in
+// registers (bfloat16: an 8 x 8 dword transpose per half, a dword holding two r), then each token
+// of the slot adds sum_r s[t, r] * Bt[r] (broadcast FMAs, four tokens at a time) to its V columns
+// of y. With many slots the kernel streams the slots' weights from memory (about 2/3 of it B,
+// whose block-diagonal zeros share cache lines with the slice's columns): B rows are prefetched
+// PF_ROWS ahead. Work items are (slot, SHRINK_ROWS rows of A) for the shrink and (slot, TILE_N
 // output columns) for the expand, shared out on the pool (thread_pool.h) in decode-sized steps
-// or on the OpenMP team in prefill. No allocation: the caller passes `scratch` of
-// pr_lora_scratch_bytes(chunk, ...) bytes and the tokens go in chunks of `chunk`.
-// The portable build (PR_PORTABLE, CPUs without AVX-512) runs the same code with plain loops.
+// or on the OpenMP team in prefill: two dispatches per call. No allocation: the caller passes
+// `scratch` of pr_lora_scratch_bytes(chunk, ...) bytes and the tokens go in chunks of `chunk`.
+// The portable build (PR_PORTABLE, CPUs without AVX-512) runs the same items with plain loops.
 
 #include <algorithm>
 #include <cstdint>
@@ -32,7 +39,8 @@
 
 namespace {
 constexpr int64_t SHRINK_ROWS = 8;   // shrink item: 8 rows of a slot's A (two dot blocks of NR)
-constexpr int64_t TILE_N = 64;       // expand item: 64 output columns of a slot (blocks of V)
+constexpr int64_t TILE_N = 128;      // expand item: 128 output columns of a slot (blocks of V)
+constexpr int64_t PF_ROWS = 64;      // B rows prefetched ahead in the expand
 constexpr int V = 16;                // output columns per transposed block of B (one vector)
 constexpr int64_t MAX_RANK = 512;    // vLLM's largest max_lora_rank (the expand's stack buffer)
 constexpr int64_t INLINE_WIDEN = 1 << 14;   // x elements widened on the caller, no pool dispatch
@@ -123,44 +131,7 @@ inline void widen_row(const uint16_t* src, float* dst, int64_t K) {
   for (; k < K; ++k) dst[k] = bf16_to_f32(src[k]);
 }
 
-// bt[r * V + q] = b[q * ld + r] (float32) for q < nc, r < R; zeros for q >= nc: the block of
-// nc output rows of B (their R columns of one slice) transposed, R rows of V columns.
-template <class W>
-void transpose_block(const W* b, int64_t ld, int nc, int64_t R, float* bt) {
-  int64_t r0 = 0;
-#ifdef PR_LORA_AVX512
-  if (nc == V) {
-    for (; r0 + V <= R; r0 += V) {   // 16 x 16 in registers: unpack, shuffle, two lane shuffles
-      __m512 m[V], t[V];
-      for (int q = 0; q < V; ++q) m[q] = load16(b + q * ld + r0);
-      for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]);
-      }
-      for (int i = 0; i < 4; ++i) {   // m[4i + j], lane L: rows 4i..4i+3 at column 4L + j
-        m[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        m[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        m[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        m[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-      }
-      for (int j = 0; j < 4; ++j) {   // column 4L + j = lanes L of m[j], m[4 + j], m[8 + j], m[12 + j]
-        const __m512 u0 = _mm512_shuffle_f32x4(m[j], m[4 + j], 0x88), u1 = _mm512_shuffle_f32x4(m[j], m[4 + j], 0xDD);
-        const __m512 u2 = _mm512_shuffle_f32x4(m[8 + j], m[12 + j], 0x88);
-        const __m512 u3 = _mm512_shuffle_f32x4(m[8 + j], m[12 + j], 0xDD);
-        float* col = bt + (r0 + j) * V;
-        _mm512_storeu_ps(col, _mm512_shuffle_f32x4(u0, u2, 0x88));
-        _mm512_storeu_ps(col + 4 * V, _mm512_shuffle_f32x4(u1, u3, 0x88));
-        _mm512_storeu_ps(col + 8 * V, _mm512_shuffle_f32x4(u0, u2, 0xDD));
-        _mm512_storeu_ps(col + 12 * V, _mm512_shuffle_f32x4(u1, u3, 0xDD));
-      }
-    }
-  }
-#endif
-  for (int64_t r = r0; r < R; ++r)
-    for (int q = 0; q < V; ++q) bt[r * V + q] = q < nc ? load1(b + q * ld, r) : 0.0f;
-}
-
-// y[c + q] += acc[q] for q < nc (y a row of float32 or bfloat16; bfloat16 rounded once).
+// y[q] += acc[q] for q < nc (y a row of float32 or bfloat16; bfloat16 rounded once).
 inline void add_row(float* y, int nc, const float* acc) {
   for (int q = 0; q < nc; ++q) y[q] += acc[q];
 }
@@ -178,69 +149,126 @@ inline __m256i to_bf16(__m512 v) {   // float32 -> bfloat16 (nearest even, NaN k
   const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
-inline void add_vec(float* y, int nc, __m512 acc) {
-  if (nc == V) {
-    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), acc));
-  } else {
-    const __mmask16 k = __mmask16((1u << nc) - 1);
-    _mm512_mask_storeu_ps(y, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y), acc));
+
+// y[0:V] += acc (one full block of V columns).
+inline void add_vec(float* y, __m512 acc) { _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), acc)); }
+inline void add_vec(uint16_t* y, __m512 acc) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), to_bf16(_mm512_add_ps(load16(y), acc)));
+}
+
+// bt[r][q] = b[q * ld + r0 + r] for r, q < 16 (float32): 16 rows of 16 values transposed in
+// registers (unpack, shuffle within 128-bit lanes, then two lane shuffles).
+inline void transpose16(const float* b, int64_t ld, __m512 bt[V]) {
+  __m512 m[V], t[V];
+  for (int q = 0; q < V; ++q) m[q] = _mm512_loadu_ps(b + q * ld);
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {   // m[4i + j], lane L: rows 4i..4i+3 at column 4L + j
+    m[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    m[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    m[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    m[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {   // column 4L + j = lanes L of m[j], m[4 + j], m[8 + j], m[12 + j]
+    const __m512 u0 = _mm512_shuffle_f32x4(m[j], m[4 + j], 0x88), u1 = _mm512_shuffle_f32x4(m[j], m[4 + j], 0xDD);
+    const __m512 u2 = _mm512_shuffle_f32x4(m[8 + j], m[12 + j], 0x88);
+    const __m512 u3 = _mm512_shuffle_f32x4(m[8 + j], m[12 + j], 0xDD);
+    bt[j] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+    bt[4 + j] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+    bt[8 + j] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+    bt[12 + j] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
   }
 }
-inline void add_vec(uint16_t* y, int nc, __m512 acc) {
-  if (nc == V) {
-    __m256i* p = reinterpret_cast<__m256i*>(y);
-    _mm256_storeu_si256(p, to_bf16(_mm512_add_ps(load16(y), acc)));
-  } else {
-    alignas(64) float tmp[V];
-    _mm512_store_ps(tmp, acc);
-    add_row(y, nc, tmp);
+
+// The same for bfloat16, widened: a row's 16 values are 8 dwords (pairs r = 2p, 2p + 1), so the
+// 16 x 8 dword transpose runs on 8 registers (rows i and i + 8 in each), an 8 x 8 transpose per
+// 256-bit half; then pair p's dwords give r = 2p (low halves, shifted up) and 2p + 1 (high halves).
+inline void transpose16(const uint16_t* b, int64_t ld, __m512 bt[V]) {
+  __m512 m[8], t[8];
+  for (int i = 0; i < 8; ++i) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * ld));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (i + 8) * ld));
+    m[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(m[2 * i], m[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(m[2 * i], m[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {   // m[4i + j], lane L: rows 4i..4i+3 (+8 in lanes 2, 3) at pair 4(L & 1) + j
+    m[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    m[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    m[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    m[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  const __m512i lo_pairs = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi_pairs = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+  for (int j = 0; j < 4; ++j) {   // pair j: lanes 0, 2 of m[j] with lanes 0, 2 of m[4 + j]; pair 4 + j: lanes 1, 3
+    const __m512i p0 = _mm512_castps_si512(_mm512_permutex2var_ps(m[j], lo_pairs, m[4 + j]));
+    const __m512i p1 = _mm512_castps_si512(_mm512_permutex2var_ps(m[j], hi_pairs, m[4 + j]));
+    bt[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(p0, 16));
+    bt[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(p0, high));
+    bt[8 + 2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(p1, 16));
+    bt[8 + 2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(p1, high));
+  }
+}
+
+// Rank 16, a full block: y[tok, c:c+V] += s[p, off:off+16] @ bt for the slot's tokens [p0, p1),
+// bt (16 x V, the block's B transposed) in registers; two FMA chains per token (even, odd r).
+template <class W>
+void expand16(const W* b, int64_t ld, const float* s, int64_t ss, W* const* rows, int64_t n) {
+  __m512 bt[V];
+  transpose16(b, ld, bt);
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) {
+    __m512 acc[4][2];
+    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < V; r += 2)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        acc[j][0] = _mm512_fmadd_ps(_mm512_set1_ps(s[(p + j) * ss + r]), bt[r], acc[j][0]);
+        acc[j][1] = _mm512_fmadd_ps(_mm512_set1_ps(s[(p + j) * ss + r + 1]), bt[r + 1], acc[j][1]);
+      }
+    for (int j = 0; j < 4; ++j) add_vec(rows[p + j], _mm512_add_ps(acc[j][0], acc[j][1]));
+  }
+  for (; p < n; ++p) {
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < V; r += 4)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[p * ss + r + j]), bt[r + j], acc[j]);
+    add_vec(rows[p], _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
   }
 }
 #endif
 
-// Tokens [p0, p1) (sorted positions) of one slot: y[tok, c:c+nc] += s[p, off:off+R] @ bt (R x V).
+// Any rank, any block width nc <= V: bt[r * V + q] = b[q * ld + r] (float32; zeros for q >= nc),
+// then y[tok, c:c+nc] += s[p, off:off+R] @ bt for the slot's tokens [0, n) (plain loops over the
+// V columns, which the compiler vectorises).
 template <class W>
-void expand_block(const Args& a, const Scratch& s, int64_t p0, int64_t p1, int64_t off, int64_t c, int nc,
-                  const float* bt) {
-  const int64_t R = a.R, SR = a.S * a.R;
-  auto yrow = [&](int64_t p) { return static_cast<W*>(a.y) + s.tok[p] * a.y_ts + c; };
-  int64_t p = p0;
+void expand_any(const W* b, int64_t ld, int nc, int64_t R, const float* s, int64_t ss, W* const* rows, int64_t n) {
+  alignas(64) float bt[MAX_RANK * V];
+  int64_t r0 = 0;
 #ifdef PR_LORA_AVX512
-  for (; p + 4 <= p1; p += 4) {   // four tokens: four independent FMA chains
-    const float* s0 = s.s + p * SR + off;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 w = _mm512_load_ps(bt + r * V);
-      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[r]), w, acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(s0[SR + r]), w, acc1);
-      acc2 = _mm512_fmadd_ps(_mm512_set1_ps(s0[2 * SR + r]), w, acc2);
-      acc3 = _mm512_fmadd_ps(_mm512_set1_ps(s0[3 * SR + r]), w, acc3);
+  if (nc == V)
+    for (; r0 + V <= R; r0 += V) {
+      __m512 t[V];
+      transpose16(b + r0, ld, t);
+      for (int r = 0; r < V; ++r) _mm512_store_ps(bt + (r0 + r) * V, t[r]);
     }
-    add_vec(yrow(p), nc, acc0);
-    add_vec(yrow(p + 1), nc, acc1);
-    add_vec(yrow(p + 2), nc, acc2);
-    add_vec(yrow(p + 3), nc, acc3);
-  }
-  for (; p < p1; ++p) {   // one token: two chains (even and odd r)
-    const float* s0 = s.s + p * SR + off;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2) {
-      acc0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[r]), _mm512_load_ps(bt + r * V), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_set1_ps(s0[r + 1]), _mm512_load_ps(bt + (r + 1) * V), acc1);
-    }
-    if (r < R) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(s0[r]), _mm512_load_ps(bt + r * V), acc0);
-    add_vec(yrow(p), nc, _mm512_add_ps(acc0, acc1));
-  }
-#else
-  for (; p < p1; ++p) {   // plain loops over the V columns (the compiler vectorises them)
-    const float* s0 = s.s + p * SR + off;
-    float acc[V] = {};
-    for (int64_t r = 0; r < R; ++r)
-      for (int q = 0; q < V; ++q) acc[q] += s0[r] * bt[r * V + q];
-    add_row(yrow(p), nc, acc);
-  }
 #endif
+  for (int64_t r = r0; r < R; ++r)
+    for (int q = 0; q < V; ++q) bt[r * V + q] = q < nc ? load1(b + q * ld, r) : 0.0f;
+  for (int64_t p = 0; p < n; ++p) {
+    alignas(64) float acc[V] = {};
+    for (int64_t r = 0; r < R; ++r)
+      for (int q = 0; q < V; ++q) acc[q] += s[p * ss + r] * bt[r * V + q];
+    add_row(rows[p], nc, acc);
+  }
 }
 
 template <class W>
@@ -290,13 +318,34 @@ void apply(const Args& a, int64_t n, const Scratch& s) {
   const int64_t tn = (N + TILE_N - 1) / TILE_N;
   run_items(na * tn, [&](int64_t item) {
     const int64_t l = s.active[item / tn], c0 = (item % tn) * TILE_N, c1 = std::min(N, c0 + TILE_N);
-    alignas(64) float bt[MAX_RANK * V];
+    const int64_t p0 = s.start[l], n = s.start[l + 1] - p0;
     int64_t slice = 0;
+    for (int64_t c = c0; c < std::min(N, c0 + PF_ROWS); ++c) {   // this item's first rows of B
+      while (a.bounds[slice + 1] <= c) ++slice;
+      __builtin_prefetch(wb + (l * N + c) * SR + slice * R);
+    }
+    slice = 0;
     for (int64_t c = c0; c < c1;) {
       while (a.bounds[slice + 1] <= c) ++slice;
       const int nc = int(std::min<int64_t>({int64_t(V), c1 - c, a.bounds[slice + 1] - c}));
-      transpose_block<W>(wb + (l * N + c) * SR + slice * R, SR, nc, R, bt);
-      expand_block<W>(a, s, s.start[l], s.start[l + 1], slice * R, c, nc, bt);
+      for (int64_t q = c + PF_ROWS, ps = slice; q < std::min(N, c + PF_ROWS + nc); ++q) {
+        while (a.bounds[ps + 1] <= q) ++ps;   // B rows PF_ROWS ahead (their slice's R columns)
+        __builtin_prefetch(wb + (l * N + q) * SR + ps * R);
+      }
+      W* rows[256];   // the slot's tokens' y rows at column c, in passes of up to 256 tokens
+      for (int64_t q0 = 0; q0 < n; q0 += 256) {
+        const int64_t m = std::min<int64_t>(256, n - q0);
+        for (int64_t q = 0; q < m; ++q) rows[q] = static_cast<W*>(a.y) + s.tok[p0 + q0 + q] * a.y_ts + c;
+        const W* b = wb + (l * N + c) * SR + slice * R;
+        const float* sp = s.s + (p0 + q0) * SR + slice * R;
+#ifdef PR_LORA_AVX512
+        if (R == V && nc == V) {
+          expand16<W>(b, SR, sp, SR, rows, m);
+          continue;
+        }
+#endif
+        expand_any<W>(b, SR, nc, R, sp, SR, rows, m);
+      }
       c += nc;
     }
   });

@@ -97,7 +97,9 @@ def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | Non
                          gather_vocab=None if tp is None else tp.gather_vocab)
     if config.lora is not None:   # around the overridden linears, then the backend's "lora" op
         shard = TPShard.single(arch) if tp is None else tp.shard
-        runner.attach_lora(LoRAManager(model, config.lora, arch, shard, runner.max_step_tokens, dtype, backend.device))
+        upload = backend.to_device if backend.capabilities.static_shapes else None   # compiled, not replayed
+        runner.attach_lora(LoRAManager(model, config.lora, arch, shard, runner.max_step_tokens, dtype, backend.device,
+                                       upload))
         if "lora" in overrides:
             apply_overrides(model, {"lora": overrides["lora"]})
     num_blocks = runner.initialize_kv_cache(agree=None if tp is None else tp.agree_min)

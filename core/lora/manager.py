@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,14 +33,19 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, arch: DecoderArch, shard: TPShard, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        """Wrap `model`'s linears (after the backend's other overrides) with `config.max_loras` empty slots."""
-        self.config, self.arch, self.shard = config, arch, shard
-        self.mapping = LoRAMapping(max_tokens, device)
+                 dtype: torch.dtype, device: torch.device,
+                 upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Wrap `model`'s linears (after the backend's other overrides) with `config.max_loras` empty slots.
+        `upload`: the mapping's way to the device on a static-shape backend (`LoRAMapping`)."""
+        self.config, self.arch, self.shard, self.upload = config, arch, shard, upload
+        self.mapping = LoRAMapping(max_tokens, device, upload)
         self.targets: list[LoRATarget] = wrap_linears(model, arch, config, self.mapping, dtype, device)
         self.lm_head = LoRALogits(shard.vocab_per_rank, arch.hidden_size, config.max_loras, config.max_lora_rank,
                                   self.mapping, dtype, device)
         model.lm_head_lora = self.lm_head
+        if upload is not None:   # empty slots as device arrays, not lazy zeros
+            for slot in range(config.max_loras):
+                self._write(slot, None)
         self.requests: dict[int, LoRARequest] = {}            # adapter id -> where to read it
         self.host: OrderedDict[int, PeftAdapter] = OrderedDict()   # read adapters, least recently used first
         self.slots: OrderedDict[int, int] = OrderedDict()     # resident adapter id -> slot, LRU first
@@ -94,9 +100,9 @@ class LoRAManager:
 
     def _write(self, slot: int, adapter: PeftAdapter | None) -> None:
         """Fill (None: empty) `slot` of every wrapped linear and of the LM head."""
-        write_slot(self.targets, slot, adapter, self.arch, self.shard)
+        write_slot(self.targets, slot, adapter, self.arch, self.shard, self.upload)
         head = None if adapter is None else adapter.lm_head
-        write_lm_head(self.lm_head, slot, head, self.shard)
+        write_lm_head(self.lm_head, slot, head, self.shard, self.upload)
 
     # ---- steps ------------------------------------------------------------------
     def prepare_step(self, row_lora_ids: np.ndarray, token_to_req: np.ndarray, num_tokens: int,

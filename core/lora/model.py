@@ -13,7 +13,7 @@ their input, so the partial outputs sum in the layer's all-reduce as the base ou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from torch import nn
 
 from polyrunner.config import LoRAConfig
 from polyrunner.distributed.shard import TPShard
-from polyrunner.lora.peft import LoRAWeights, PeftAdapter
+from polyrunner.lora.peft import LoRAWeights, PeftAdapter, module_sizes
 from polyrunner.lora.vocab import LoRALogits
 from polyrunner.models.arch import DecoderArch
 from polyrunner.ops.lora import LoRALinear, LoRAMapping
@@ -70,35 +70,39 @@ def wrap_linears(model: nn.Module, arch: DecoderArch, config: LoRAConfig, mappin
     return targets
 
 
-def target_modules(arch: DecoderArch) -> dict[str, tuple[int, int]]:
-    """Checkpoint module -> (out, in) of its whole (unsharded) weight: the shapes an adapter's
-    B and A must fit."""
-    h, q, kv, inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-        arch.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
-            "up_proj": (inter, h), "down_proj": (h, inter), "qkv_proj": (q + 2 * kv, h),
-            "gate_up_proj": (2 * inter, h)}
-
-
 def _parts(adapter: PeftAdapter, layer: int, name: str, arch: DecoderArch) -> list[LoRAWeights | None]:
     """The adapter's weights for each output slice of wrapped linear `name` (None: not targeted);
     a fused checkpoint module is split into its slices."""
     fused = adapter.modules.get((layer, name))
     if fused is None or name not in ("qkv_proj", "gate_up_proj"):
         return [adapter.modules.get((layer, part)) for part in SLICES[name]]
-    sizes = [target_modules(arch)[part][0] for part in SLICES[name]]
+    sizes = [module_sizes(arch)[part][1] for part in SLICES[name]]
     return [LoRAWeights(fused.a, b) for b in torch.split(fused.b, sizes, dim=0)]
 
 
-def write_slot(targets: list[LoRATarget], slot: int, adapter: PeftAdapter | None, arch: DecoderArch,
-               shard: TPShard) -> None:
-    """Fill slot `slot` of every target with `adapter` (this rank's shard; None: empty it)."""
+Upload = Callable[[torch.Tensor], torch.Tensor]   # host tensor -> a fresh device array (static-shape backends)
+
+
+def store(param: torch.Tensor, slot: int, values: torch.Tensor, upload: Upload | None) -> None:
+    """`param[slot] = values` (built on the host): in place, or with `upload` by replacing the
+    parameter's data with a fresh device array (a backend that compiles steps with the weights as
+    arguments must not see lazy in-place writes)."""
     with torch.no_grad():
-        for t in targets:
-            t.lora_a[slot].zero_()
-            t.lora_b[slot].zero_()
-            if adapter is None:
-                continue
+        if upload is None:
+            param[slot].copy_(values)
+            return
+        whole = param.detach().cpu()
+        whole[slot] = values
+        param.data = upload(whole)
+
+
+def write_slot(targets: list[LoRATarget], slot: int, adapter: PeftAdapter | None, arch: DecoderArch,
+               shard: TPShard, upload: Upload | None = None) -> None:
+    """Fill slot `slot` of every target with `adapter` (this rank's shard; None: empty it)."""
+    for t in targets:
+        a_slot = torch.zeros(t.lora_a.shape[1:], dtype=t.lora_a.dtype)
+        b_slot = torch.zeros(t.lora_b.shape[1:], dtype=t.lora_b.dtype)
+        if adapter is not None:
             offset, R = 0, t.max_rank
             for s, (part, w) in enumerate(zip(SLICES[t.name], _parts(adapter, t.layer, t.name, arch))):
                 size = t.output_slices[s]
@@ -109,20 +113,23 @@ def write_slot(targets: list[LoRATarget], slot: int, adapter: PeftAdapter | None
                     else:
                         b = shard.slice(f"{part}.weight", b)
                     r = a.shape[0]
-                    t.lora_a[slot, s * R:s * R + r].copy_(a)
-                    t.lora_b[slot, offset:offset + size, s * R:s * R + r].copy_(b)
+                    a_slot[s * R:s * R + r] = a
+                    b_slot[offset:offset + size, s * R:s * R + r] = b
                 offset += size
+        store(t.lora_a, slot, a_slot, upload)
+        store(t.lora_b, slot, b_slot, upload)
 
 
-def write_lm_head(head: LoRALogits, slot: int, weights: LoRAWeights | None, shard: TPShard) -> None:
+def write_lm_head(head: LoRALogits, slot: int, weights: LoRAWeights | None, shard: TPShard,
+                  upload: Upload | None = None) -> None:
     """Fill slot `slot` of the LM head's adapters (this rank's vocabulary rows of B; None: empty it)
     and keep `head.slots` (the slots it runs) in step."""
-    with torch.no_grad():
-        head.a[slot].zero_()
-        head.b[slot].zero_()
-        if weights is not None:
-            r = weights.a.shape[0]
-            head.a[slot, :r].copy_(weights.a)
-            head.b[slot, :, :r].copy_(shard.slice("lm_head.weight", weights.b))
+    a_slot = torch.zeros(head.a.shape[1:], dtype=head.a.dtype)
+    b_slot = torch.zeros(head.b.shape[1:], dtype=head.b.dtype)
+    if weights is not None:
+        r = weights.a.shape[0]
+        a_slot[:r] = weights.a
+        b_slot[:, :r] = shard.slice("lm_head.weight", weights.b)
+    store(head.a, slot, a_slot, upload)
+    store(head.b, slot, b_slot, upload)
     head.slots = sorted(set(head.slots) - {slot} | ({slot} if weights is not None else set()))
-

@@ -19,6 +19,7 @@ Only the tensors in the file say which modules are adapted (not `target_modules`
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from polyrunner.models.arch import DecoderArch
 from polyrunner.models.hf_config import read_json_file
@@ -271,16 +272,20 @@ def _check_fused_overlap(path: str | Path, adapter: PeftAdapter) -> None:
                                  f"{name} contains")
 
 
+def module_sizes(arch: DecoderArch) -> dict[str, tuple[int, int]]:
+    """(in, out) of every linear target module of the model `arch` describes (whole, unsharded)."""
+    attn_q, attn_kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h, inter = arch.hidden_size, arch.intermediate_size
+    return {"q_proj": (h, attn_q), "k_proj": (h, attn_kv), "v_proj": (h, attn_kv), "o_proj": (attn_q, h),
+            "qkv_proj": (h, attn_q + 2 * attn_kv), "gate_proj": (h, inter), "up_proj": (h, inter),
+            "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+
+
 def check_adapter(adapter: PeftAdapter, arch: DecoderArch) -> None:
     """Every module's shapes fit the model `arch` describes: a layer index < num_layers, lora_A
     [r, in], lora_B [out, r] with the module's sizes; no MLP module on a mixture-of-experts
     layer (its experts are not targets). Raises ValueError naming the module and the shape."""
-    attn_q, attn_kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    h, inter = arch.hidden_size, arch.intermediate_size
-    sizes = {  # name -> (in, out)
-        "q_proj": (h, attn_q), "k_proj": (h, attn_kv), "v_proj": (h, attn_kv), "o_proj": (attn_q, h),
-        "qkv_proj": (h, attn_q + 2 * attn_kv), "gate_proj": (h, inter), "up_proj": (h, inter),
-        "gate_up_proj": (h, 2 * inter), "down_proj": (inter, h)}
+    sizes, h = module_sizes(arch), arch.hidden_size
     for (layer, name), weights in sorted(adapter.modules.items()):
         where = f"LoRA module {name} of layer {layer}"
         if not 0 <= layer < arch.num_layers:
@@ -301,3 +306,21 @@ def _check_shapes(where: str, weights: LoRAWeights, fan_in: int, fan_out: int) -
     for which, tensor, expected in (("lora_A", weights.a, (r, fan_in)), ("lora_B", weights.b, (fan_out, r))):
         if tuple(tensor.shape) != expected:
             raise ValueError(f"{where}: {which} has shape {tuple(tensor.shape)}, the model needs {expected}")
+
+
+def save_adapter(path: str | Path, modules: dict[tuple[int, str], LoRAWeights], rank: int, lora_alpha: float) -> None:
+    """Write `modules` ((layer, module name) -> A [r, in] and B [out, r], B not scaled) as a PEFT
+    adapter folder that `read_adapter` (and peft) read: for tests and benchmarks that need
+    adapters of a model's shapes without building the model."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    targets = sorted({name for _, name in modules})
+    (folder / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": lora_alpha,
+                                                  "target_modules": targets, "bias": "none"}))
+    tensors = {}
+    for (layer, name), w in modules.items():
+        block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
+        key = f"{_PREFIX}model.layers.{layer}.{block}.{name}"
+        tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = w.a.contiguous(), w.b.contiguous()
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+

@@ -16,7 +16,7 @@ nothing. An empty slot is all zeros.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -40,25 +40,38 @@ class LoRAMapping:
     """The step's `token_lora` for every LoRA linear of a model: one persistent int32
     buffer of `max_tokens` entries on the device (a graph input: written in place before
     each step, never reallocated); a linear called with T rows reads `token_lora[:T]`.
-    `logits_lora`: the same for the rows whose logits are computed (the LM head's adapters)."""
+    `logits_lora`: the same for the rows whose logits are computed (the LM head's adapters).
 
-    def __init__(self, max_tokens: int, device: torch.device | str = "cpu") -> None:
+    `upload`: for a backend that compiles each step with its inputs as arguments (static shapes)
+    rather than replaying captured graphs over fixed buffers: each `set` then replaces the
+    buffer by `upload(whole new buffer)` (a fresh device array of the same shape) instead of
+    writing it in place."""
+
+    def __init__(self, max_tokens: int, device: torch.device | str = "cpu",
+                 upload: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.upload = upload
         self.token_lora = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.logits_lora = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
 
-    def set_logits(self, rows: torch.Tensor) -> None:
-        """The slots of the next logits rows (`[N]`); the rest become -1."""
-        n = int(rows.shape[0])
-        self.logits_lora[:n].copy_(rows, non_blocking=True)
-        self.logits_lora[n:].fill_(-1)
-
     def set(self, token_lora: torch.Tensor) -> None:
         """This step's slots (`[T]`, T <= max_tokens); the rest of the buffer becomes -1."""
-        n = int(token_lora.shape[0])
-        if n > self.token_lora.shape[0]:
-            raise ValueError(f"a step of {n} tokens exceeds the LoRA mapping's {self.token_lora.shape[0]}")
-        self.token_lora[:n].copy_(token_lora, non_blocking=True)
-        self.token_lora[n:].fill_(-1)
+        self.token_lora = self._write(self.token_lora, token_lora)
+
+    def set_logits(self, rows: torch.Tensor) -> None:
+        """The slots of the next logits rows (`[N]`); the rest become -1."""
+        self.logits_lora = self._write(self.logits_lora, rows)
+
+    def _write(self, buffer: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        n = int(values.shape[0])
+        if n > buffer.shape[0]:
+            raise ValueError(f"a step of {n} rows exceeds the LoRA mapping's {buffer.shape[0]}")
+        if self.upload is not None:
+            whole = torch.full(tuple(buffer.shape), -1, dtype=torch.int32)
+            whole[:n] = values
+            return self.upload(whole)
+        buffer[:n].copy_(values, non_blocking=True)
+        buffer[n:].fill_(-1)
+        return buffer
 
 
 # the "lora" role's attributes a replacement keeps (the same objects: base module, parameters, mapping)
