@@ -97,6 +97,7 @@ def test_avx512f_without_bf16_hardware_counts_only_with_the_kernel(monkeypatch):
     """A CPU with AVX-512F but neither AVX512_BF16 nor AMX runs bfloat16 natively exactly when
     the AVX-512F bfloat16 linear can run (POLYRUNNER_CPU_AVX512=0 takes it away)."""
     import platform
+
     from polyrunner.backends.cpu import kernels
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip(f"x86 only (this is {platform.machine()})")
