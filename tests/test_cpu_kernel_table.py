@@ -161,6 +161,7 @@ def test_prefill_attention_variant_is_chosen_by_the_cached_times(monkeypatch, tm
 
 
 def test_times_taken_under_load_are_used_but_not_cached(monkeypatch, tmp_path, caplog):
+    caplog.set_level("INFO", logger="polyrunner")
     monkeypatch.setenv("POLYRUNNER_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel_table, "BUSY_LIMIT", 0.5)
     monkeypatch.setattr(kernel_table.threads_, "busy_elsewhere", lambda a, b: 1.7)

@@ -286,8 +286,8 @@ def test_engine_loop_reports_a_failed_grammar_as_rejected(engine, real_compiler)
     loop = EngineLoop(engine, inbox, report)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
-    inbox.put([("add", "bad", "Code:", regex_params("a(b"), 0),
-               ("add", "free", "Once upon a time", FREE, 0)])
+    inbox.put([("add", "bad", "Code:", regex_params("a(b"), 0, None),
+               ("add", "free", "Once upon a time", FREE, 0, None)])
     assert gated.started.wait(10)
     deadline = time.monotonic() + 30   # the add returned: the loop steps "free" while "bad" compiles
     while not any(e[0] == "outputs" and any(o.request_id == "free" for o in e[1])

@@ -261,10 +261,11 @@ def cached(key: str, measure_fn: Callable[[], Times], threads: int) -> Times:
 def _quiet(before: tuple[float, float, float] | None, what: str) -> bool:
     """Whether other processes left the cores alone while `what` was timed (since `before`): at most
     `BUSY_LIMIT` cores busy elsewhere. Times taken under load rank kernels by how they suffer from it,
-    so they are used for this process only and not cached (the next start times again)."""
+    so they are used for this process only and not cached (the next start times again); said at INFO
+    (a library says nothing on stderr unless the application configures logging)."""
     busy = threads_.busy_elsewhere(before, threads_.cpu_sample())
     if busy > BUSY_LIMIT:
-        logger.warning("timed %s while other processes kept %.1f cores busy: not cached (the next start "
+        logger.info("timed %s while other processes kept %.1f cores busy: not cached (the next start "
                        "times it again)", what, busy)
         return False
     return True
