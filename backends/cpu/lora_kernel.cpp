@@ -47,21 +47,7 @@ constexpr int64_t INLINE_WIDEN = 1 << 14;   // x elements widened on the caller,
 
 using namespace pr_widen;
 
-// Items [0, n) on the pool (decode: torch's OpenMP has one thread) or the OpenMP team.
-template <class Body>
-void run_items(int64_t n, const Body& body) {
-  if (n <= 0) return;
-  const int team = omp_get_max_threads();
-  if (n == 1) {
-    body(int64_t(0));
-  } else if (team > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    pr::parallel_for(n, [](void* c, int64_t i, int) { (*static_cast<const Body*>(c))(i); },
-                     const_cast<Body*>(&body));
-  }
-}
+using pr::run_items;
 
 // The scratch of one chunk of up to C tokens, 64-byte aligned pieces.
 struct Scratch {

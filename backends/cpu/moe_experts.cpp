@@ -99,21 +99,7 @@ int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base
   return off + 64;   // + slack to align the base
 }
 
-// Items [0, n) on the pool (decode: torch's OpenMP has one thread) or the OpenMP team.
-template <class Body>
-void run_items(int64_t n, const Body& body) {
-  if (n <= 0) return;
-  const int team = omp_get_max_threads();
-  if (n == 1) {
-    body(int64_t(0));
-  } else if (team > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t i = 0; i < n; ++i) body(i);
-  } else {
-    pr::parallel_for(n, [](void* c, int64_t i, int) { (*static_cast<const Body*>(c))(i); },
-                     const_cast<Body*>(&body));
-  }
-}
+using pr::run_items;
 
 struct Args {
   int dtype;   // 0 float32, 1 bfloat16 (x, weights, out)

@@ -1,7 +1,8 @@
 // The work-sharing pool of thread_pool.cpp, as the other kernel sources call it:
 // `parallel_for(n, fn, ctx)` runs fn(ctx, chunk, worker) for chunk in [0, n) on the
 // caller and the pool's running helpers (each chunk once; returns when all are done);
-// `for_rows` splits rows between the pool and OpenMP's team, whichever the step runs.
+// `for_rows` splits rows between the pool and OpenMP's team, whichever the step runs;
+// `run_items` does the same for separately costed work items.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -35,6 +36,23 @@ void for_rows(int64_t rows, bool worth, const Body& body) {
       const Ctx& x = *static_cast<const Ctx*>(c);
       (*x.body)(x.rows * i / x.n, x.rows * (i + 1) / x.n);
     }, &ctx);
+  }
+}
+
+// body(i) for items [0, n) (dynamic: items may differ in cost) on the pool in decode-sized steps
+// (torch's OpenMP has one thread) or on the OpenMP team.
+template <class Body>
+void run_items(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  const int team = omp_get_max_threads();
+  if (n == 1) {
+    body(int64_t(0));
+  } else if (team > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+    for (int64_t i = 0; i < n; ++i) body(i);
+  } else {
+    parallel_for(n, [](void* c, int64_t i, int) { (*static_cast<const Body*>(c))(i); },
+                 const_cast<Body*>(&body));
   }
 }
 }  // namespace pr
