@@ -28,6 +28,7 @@
 #endif
 
 #include "thread_pool.h"
+#include "widen_dot.h"
 
 #ifdef PR_AVX512_LINEAR
 namespace {
@@ -41,16 +42,7 @@ inline __m512 odd(__m512i raw) {
   return _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(int32_t(0xffff0000u))));
 }
 
-// float32 -> bfloat16 (nearest even, NaN kept quiet) of 16 lanes, AVX-512F only.
-inline __m256i to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
+using pr_widen::to_bf16;
 
 // Pairs [0, npairs) of rows [0, MR) of x (float32, row stride x_ts, the pair's two values at
 // 2kp, 2kp + 1) times NC column blocks (w: the first block at pair 0, pair stride `wstep`

@@ -126,16 +126,6 @@ inline void add_row(uint16_t* y, int nc, const float* acc) {
 }
 
 #ifdef PR_LORA_AVX512
-inline __m256i to_bf16(__m512 v) {   // float32 -> bfloat16 (nearest even, NaN kept quiet), AVX-512F
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
-  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
 // y[0:V] += acc (one full block of V columns).
 inline void add_vec(float* y, __m512 acc) { _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), acc)); }
 inline void add_vec(uint16_t* y, __m512 acc) {

@@ -29,6 +29,19 @@ inline uint16_t f32_to_bf16(float f) {   // nearest even, NaN kept quiet
   return uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#ifdef PR_WIDEN_AVX512
+// float32 -> bfloat16 (nearest even, NaN kept quiet) of 16 lanes, AVX-512F only.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i abs = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+#endif
+
 inline float load1(const float* w, int64_t k) { return w[k]; }
 inline float load1(const uint16_t* w, int64_t k) { return bf16_to_f32(w[k]); }
 
