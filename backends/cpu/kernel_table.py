@@ -266,7 +266,7 @@ def _quiet(before: tuple[float, float, float] | None, what: str) -> bool:
     busy = threads_.busy_elsewhere(before, threads_.cpu_sample())
     if busy > BUSY_LIMIT:
         logger.info("timed %s while other processes kept %.1f cores busy: not cached (the next start "
-                       "times it again)", what, busy)
+                    "times it again)", what, busy)
         return False
     return True
 
