@@ -33,7 +33,8 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   factory), the reference modules `RMSNorm`, `GatedMLP` (with
   `silu_and_mul`) and `RotaryEmbedding`, and `RMSNormOverride` (the base of a
   backend's RMSNorm: keeps `weight`, `eps` and the replaced module); the "lora" role's
-  `LoRALinear`, its `LoRAMapping` (the step's `token_lora`) and the reference `add_lora`;
+  `LoRALinear`, its `LoRAMapping` (the step's `token_lora`) and the reference `add_lora`; the
+  "lora_embedding" role's `LoRAEmbedding` and `add_lora_embedding`;
 - stream graphs for devices with a CUDA-like API: `GraphAPI`,
   `TorchGraphAPI`, `StaticGraphExecutor`, `graph_bucket_policy`, `graph_token_sizes`, `GraphBucketPolicy`,
   `FullGraphBucketPolicy`, the graph modes `FULL`, `FULL_DECODE_ONLY`, `NONE` (vLLM's `cudagraph_mode`
@@ -108,7 +109,14 @@ from polyrunner.ops import (
     select_experts,
     silu_and_mul,
 )
-from polyrunner.ops.lora import LoRALinear, LoRAMapping, add_lora, keep_lora_attributes
+from polyrunner.ops.lora import (
+    LoRAEmbedding,
+    LoRALinear,
+    LoRAMapping,
+    add_lora,
+    add_lora_embedding,
+    keep_lora_attributes,
+)
 from polyrunner.plugins import hookimpl, register
 from polyrunner.plugins.api_version import PLUGIN_API_VERSION, PluginVersionError
 from polyrunner.runner.inputs import StepInputs
@@ -142,7 +150,7 @@ __all__ = [
     # op overrides (faster modules per role)
     "ROLES", "MODULE_ROLES", "OpFactory", "RMSNorm", "RMSNormOverride", "GatedMLP", "silu_and_mul", "RotaryEmbedding",
     "FusedMoE", "select_experts", "fused_experts", "keep_moe_attributes", "LoRALinear", "LoRAMapping", "add_lora",
-    "keep_lora_attributes",
+    "keep_lora_attributes", "LoRAEmbedding", "add_lora_embedding",
     # sampling (a backend may supply its own over padded logits)
     "SamplingMetadata", "HostSamplingRows", "SamplerOutput", "Sampler", "LogprobsTensors", "LogprobsLists",
     "compute_logprobs", "gather_logprobs", "apply_top_k_top_p", "apply_min_p",

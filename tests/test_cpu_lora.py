@@ -9,7 +9,9 @@ C++ call per LoRA linear, against the core's `LoRALinear` (`add_lora`) within th
   blocks and slots of 1..300 tokens; the adapters change the result;
 - the module keeps the role's attributes and reads the slots at call time; the factory keeps what
   the kernel does not take; registered only with LoRA enabled, for float32 and bfloat16;
-- a CPU graph records the call and its replay reads token_lora and the adapters as they are then.
+- a CPU graph records the call and its replay reads token_lora and the adapters as they are then;
+- the "lora_embedding" override (`pr_lora_embed`): the role's cases, edge mappings and ids, ranks up
+  to 64, registered with "lora", recorded and replayed in a CPU graph after the embedding lookup.
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels
-from polyrunner.backends.cpu.lora_module import CPULoRALinear, LoRAOverride, chunk_tokens, lora_overrides
-from polyrunner.ops.cases import CaseSizes, compare, lora_cases
-from polyrunner.ops.lora import LoRALinear, LoRAMapping, add_lora
+from polyrunner.backends.cpu.lora_module import (
+    CPULoRAEmbedding,
+    CPULoRALinear,
+    LoRAOverride,
+    chunk_tokens,
+    embedding_override,
+    lora_overrides,
+)
+from polyrunner.ops.cases import CaseSizes, compare, lora_cases, lora_embedding_cases
+from polyrunner.ops.lora import LoRAEmbedding, LoRALinear, LoRAMapping, add_lora, add_lora_embedding
 
 pytestmark = pytest.mark.skipif(kernels.paged_attention_kernel() is None,
                                 reason="no CPU kernel library (no C++ compiler?)")
@@ -173,6 +182,7 @@ def test_registered_with_lora_enabled_for_float32_and_bfloat16():
     for dtype in DTYPES:
         factory = cpu_op_overrides(config, dtype)["lora"]
         assert isinstance(factory, LoRAOverride) and factory.max_tokens == 256
+        assert cpu_op_overrides(config, dtype)["lora_embedding"] is embedding_override
     assert cpu_op_overrides(config, torch.float16) == {}
 
 
@@ -210,4 +220,92 @@ def test_a_cpu_graph_records_the_call_and_replays_it_with_new_slots():
         assert torch.equal(out, override(x))
         ok, err, bound = compare(out, add_lora(lora.base(x), x, lora.lora_a, lora.lora_b, lora.mapping.token_lora[:4]),
                                  torch.bfloat16)
+        assert ok, f"slots {slots}: max error {err:.3g} > {bound:.3g}"
+
+
+# ---- the "lora_embedding" override ------------------------------------------------------
+def _embedding(vocab: int, hidden: int, dtype: torch.dtype, max_loras: int = 3, rank: int = 8,
+               seed: int = 0) -> LoRAEmbedding:
+    gen = torch.Generator().manual_seed(seed)
+    emb = LoRAEmbedding(vocab, hidden, max_loras, rank, LoRAMapping(512), torch.float32, "cpu")
+    emb.lora_a.data = torch.randn(emb.lora_a.shape, generator=gen)
+    emb.lora_b.data = torch.randn(emb.lora_b.shape, generator=gen) * rank ** -0.5
+    return emb.to(dtype).requires_grad_(False)
+
+
+def _check_embedding(override: nn.Module, reference: LoRAEmbedding, ids: torch.Tensor, x: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    reference.mapping.set(slots)
+    got, want = override(ids, x.clone()), reference(ids, x.clone())
+    ok, err, bound = compare(got, want, x.dtype)
+    assert ok, f"{tuple(x.shape)} slots {slots.tolist()[:8]}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_embedding_roles_cases_match_the_reference(dtype, lora_lib):
+    compared = 0
+    for case in lora_embedding_cases(dtype, torch.device("cpu"), CaseSizes(), torch.Generator().manual_seed(4)):
+        override = embedding_override(copy.deepcopy(case.module))
+        assert isinstance(override, CPULoRAEmbedding)
+        for call in case.calls:
+            (got,), (want,) = call.run(override), call.run(case.module)
+            ok, err, bound = compare(got, want, dtype)
+            assert ok, f"{call.shape}: max error {err:.3g} > {bound:.3g}"
+            compared += 1
+    assert compared == 3 * 3   # 3 hidden sizes x 3 row counts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_embedding_edges(dtype, rank, lora_lib):
+    reference = _embedding(50, 36, dtype, rank=rank)
+    override = embedding_override(reference)
+    assert isinstance(override, CPULoRAEmbedding) and override.lora_a is reference.lora_a
+    gen = torch.Generator().manual_seed(2)
+    for tokens in (1, 5, 6, 7, 13, 300):
+        ids = torch.randint(0, 50, (tokens,), generator=gen)
+        x = torch.randn(tokens, 36, generator=gen).to(dtype)
+        for slots in (torch.full((tokens,), -1), torch.full((tokens,), 1),
+                      torch.randint(-1, 3, (tokens,), generator=gen),
+                      torch.tensor([5, -3, 0, 7] * tokens)[:tokens]):   # outside [0, L): no adapter
+            _check_embedding(override, reference, ids, x, slots.to(torch.int32))
+    x = torch.randn(4, 36, generator=gen).to(dtype)
+    reference.mapping.set(torch.full((4,), -1, dtype=torch.int32))
+    assert torch.equal(override(torch.arange(4), x.clone()), x)   # no adapter: the embeddings exactly
+    wide = torch.randn(4, 50, generator=gen).to(dtype)   # rows read and written through a stride
+    reference.mapping.set(torch.tensor([0, 1, 2, -1], dtype=torch.int32))
+    want = add_lora_embedding(wide[:, 7:43].clone(), torch.arange(4), reference.lora_a, reference.lora_b,
+                              reference.mapping.token_lora[:4])
+    got = override(torch.arange(4), wide[:, 7:43])
+    assert compare(got, want, dtype)[0] and torch.equal(wide[:, 7:43], got)
+
+
+def test_the_embedding_override_keeps_what_the_kernel_does_not_take(lora_lib):
+    emb = _embedding(20, 16, torch.float16)
+    assert embedding_override(emb) is emb
+    override = embedding_override(_embedding(20, 16, torch.float32))
+    override.mapping.set(torch.tensor([0, 2], dtype=torch.int32))
+    ids, x = torch.tensor([3, 19], dtype=torch.int32), torch.randn(2, 16)   # int32 ids: the reference
+    want = add_lora_embedding(x, ids, override.lora_a, override.lora_b, override.mapping.token_lora[:2])
+    assert torch.equal(override(ids, x), want)
+
+
+def test_a_cpu_graph_replays_the_embedding_call_with_new_slots_and_ids():
+    from polyrunner.backends.cpu.graphs import CPUGraphAPI
+    api = CPUGraphAPI(kernels.paged_attention_kernel())
+    table = nn.Embedding(30, 32).to(torch.bfloat16).requires_grad_(False)
+    emb = _embedding(30, 32, torch.bfloat16, rank=16, seed=3)
+    override = embedding_override(emb)
+    ids = torch.tensor([1, 2, 3, 4])
+    emb.mapping.set(torch.tensor([0, 1, 2, -1], dtype=torch.int32))
+    replay, out = api.capture(lambda: override(ids, table(ids)), api.pool())
+    assert len(replay.records) == 2   # the lookup (a row gather), then pr_lora_embed
+    gen = torch.Generator().manual_seed(6)
+    for slots in ([2, 2, -1, 0], [1, -1, 1, 1], [-1, -1, -1, -1]):
+        ids.copy_(torch.randint(0, 30, (4,), generator=gen))
+        emb.mapping.set(torch.tensor(slots, dtype=torch.int32))
+        emb.lora_b.data[max(slots[0], 0)].mul_(1.5)
+        replay()
+        want = add_lora_embedding(table(ids), ids, emb.lora_a, emb.lora_b, emb.mapping.token_lora[:4])
+        ok, err, bound = compare(out, want, torch.bfloat16)
         assert ok, f"slots {slots}: max error {err:.3g} > {bound:.3g}"

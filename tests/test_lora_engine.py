@@ -157,9 +157,49 @@ def test_lm_head_adapter_and_prompt_logprobs(tmp_path):
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
 
 
-def test_embedding_adapter_is_refused(setup, tmp_path):
-    folder, hf, prompts, _, _ = setup("llama")
-    path = make_peft_adapter(hf, tmp_path / "emb", 4, ATTENTION, seed=3, with_embed=True)
-    llm = engine(folder, hf, "default", enable_lora=True)
-    with pytest.raises(ValueError, match="LoRA on embed_tokens is not supported"):
-        llm.generate([{"prompt_token_ids": prompts[0]}], lora_request=LoRARequest("emb", 1, path), use_tqdm=False)
+@pytest.mark.parametrize("variant", ["default", "chunked", "tp2"])
+def test_embedding_adapter_matches_merged_model(tmp_path, variant):
+    """An adapter on the token embeddings and the attention (untied Llama) next to the base
+    model and an attention-only adapter: per request, the greedy tokens of peft's merged model."""
+    folder = tmp_path / "base"
+    hf = build_tiny_model("llama", folder)
+    emb = make_peft_adapter(hf, tmp_path / "emb", 8, ATTENTION, seed=11, with_embed=True)
+    att = make_peft_adapter(hf, tmp_path / "att", 4, ATTENTION, seed=12)
+    loras = [LoRARequest("emb", 1, emb), LoRARequest("att", 2, att)]
+    refs = [hf, merged_model(hf, emb), merged_model(hf, att)]
+    prompts = random_prompts(6, seed=9, min_len=5, max_len=40)
+    extra = dict(tensor_parallel_size=2) if variant == "tp2" else {}
+    llm = engine(folder, hf, variant if variant == "chunked" else "default", enable_lora=True, max_loras=2,
+                 max_lora_rank=8, **extra)
+    assign = [1, 0, 2, 1, 2, 1]
+    outs = _run(llm, prompts, loras, assign)
+    for i, (a, out) in enumerate(zip(assign, outs)):
+        assert out.outputs[0].token_ids == hf_greedy(refs[a], prompts[i], MAX_NEW), f"prompt {i} adapter {a}"
+    assert hf_greedy(refs[1], prompts[0], MAX_NEW) != hf_greedy(hf, prompts[0], MAX_NEW)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_bfloat16_cpu_graphs_give_the_eager_tokens_with_adapters(tmp_path):
+    """bfloat16 decode steps replayed as CPU graphs (the adapters' kernels recorded in them, the
+    embeddings' included) give the tokens and logprobs of the eager engine, per adapter."""
+    folder = tmp_path / "base"
+    hf = build_tiny_model("llama", folder)
+    loras = [LoRARequest("emb", 1, make_peft_adapter(hf, tmp_path / "emb", 8, ALL_LINEAR, seed=13, with_embed=True)),
+             LoRARequest("mlp", 2, make_peft_adapter(hf, tmp_path / "mlp", 16, MLP, seed=14))]
+    prompts = random_prompts(6, seed=4, min_len=5, max_len=40)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(folder), backend="cpu", dtype="bfloat16", max_num_seqs=8, block_size=16, enable_lora=True,
+                  max_loras=2, max_lora_rank=16, enforce_eager=eager)
+        requests = [[None, *loras][i % 3] for i in range(len(prompts))]
+        runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                 lora_request=requests))
+        ex = llm.engine.runner.executor
+        assert (ex.num_graphs() > 0 and ex.graph_rows > 0) != eager
+        llm.shutdown()
+    for i, (g, e) in enumerate(zip(*runs)):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"prompt {i}"
+        for a, b in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            assert abs(next(iter(a.values())).logprob - next(iter(b.values())).logprob) < 1e-4

@@ -100,7 +100,7 @@ def test_inner_roles_go_first_and_prepare_sees_every_module_once():
 @pytest.mark.parametrize("role", ["layernorm", "attention"])
 def test_an_unknown_role_is_refused_naming_it_and_the_known_ones(role):
     with pytest.raises(ValueError, match=rf"unknown role\(s\) '{role}'; known roles: linear, rms_norm, rotary, "
-                                         r"gated_mlp, moe, lora \(attention is overridden by defining "
+                                         r"gated_mlp, moe, lora, lora_embedding \(attention is overridden by defining "
                                          r"Backend.attention\)"):
         apply_overrides(_model(), {role: Wrapped})
 

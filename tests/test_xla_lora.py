@@ -1,6 +1,7 @@
-"""Multi-LoRA on the XLA backend (CPU PJRT device): a batch mixing two adapters and the base model
-gives the CPU backend's greedy tokens (which tests/test_lora_engine.py checks against peft's merged
-models), through the compiled static-shape steps, with no recompilation while serving."""
+"""Multi-LoRA on the XLA backend (CPU PJRT device): a batch mixing two adapters (one with
+token-embedding weights) and the base model gives the CPU backend's greedy tokens (which
+tests/test_lora_engine.py checks against peft's merged models), through the compiled
+static-shape steps, with no recompilation while serving."""
 
 import os
 
@@ -40,18 +41,19 @@ def folder(tmp_path_factory):
     return path
 
 
-def _adapter(path, rank: int, names, seed: int) -> str:
+def _adapter(path, rank: int, names, seed: int, embed: bool = False) -> str:
     gen = torch.Generator().manual_seed(seed)
     modules = {(layer, n): LoRAWeights(torch.randn(rank, SHAPES[n][1], generator=gen) * 0.1,
                                        torch.randn(SHAPES[n][0], rank, generator=gen) * 0.1)
                for layer in range(LAYERS) for n in names}
-    save_adapter(path, modules, rank, 2 * rank)
+    emb = LoRAWeights(torch.randn(rank, 512, generator=gen), torch.randn(HIDDEN, rank, generator=gen) * 0.05)
+    save_adapter(path, modules, rank, 2 * rank, emb if embed else None)
     return str(path)
 
 
 def test_mixed_adapters_match_the_cpu_backend(folder, tmp_path):
     loras = [LoRARequest("attn", 1, _adapter(tmp_path / "a", 4, ("q_proj", "v_proj", "o_proj"), 1)),
-             LoRARequest("all", 2, _adapter(tmp_path / "b", 8, tuple(SHAPES), 2))]
+             LoRARequest("all", 2, _adapter(tmp_path / "b", 8, tuple(SHAPES), 2, embed=True))]
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 512, size=n).tolist()} for n in (5, 17, 40, 9)]
     assign = [loras[0], None, loras[1], loras[0]]

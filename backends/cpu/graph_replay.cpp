@@ -39,6 +39,8 @@ int pr_avx512_linear_bf16(const void* x, int64_t x_ts, int x_f32, const uint16_t
 int pr_lora(int dtype, const void* x, int64_t x_ts, void* y, int64_t y_ts, const int32_t* token_lora,
             const void* lora_a, const void* lora_b, const int64_t* bounds, int64_t T, int64_t in, int64_t out,
             int64_t L, int64_t S, int64_t R, void* scratch, int64_t chunk);
+int pr_lora_embed(int dtype, const int64_t* ids, void* y, int64_t y_ts, const int32_t* token_lora, const void* lora_a,
+                  const void* lora_b, int64_t T, int64_t V, int64_t H, int64_t L, int64_t R);
 
 // dst[i] = src[idx[i]] for rows of row_bytes bytes (an embedding lookup).
 void pr_gather_rows(const uint8_t* src, int64_t row_bytes, const int64_t* idx, int64_t n, uint8_t* dst) {
@@ -50,12 +52,12 @@ namespace {
 
 enum Kernel {  // kernel_calls.REPLAYABLE, in order
   QUANT_LINEAR = 1, QUANT_LINEAR8, DPBF16_LINEAR, AMX_LINEAR, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROTARY,
-  PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, NUM_KERNELS
+  PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, LORA_EMBED, NUM_KERNELS
 };
 const char* const NAMES[] = {"", "pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16",
                              "pr_amx_linear_bf16", "pr_rms_norm_bf16", "pr_add_rms_norm_bf16",
                              "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe",
-                             "pr_avx512_linear_bf16", "pr_lora"};
+                             "pr_avx512_linear_bf16", "pr_lora", "pr_lora_embed"};
 constexpr int64_t WORDS = 27;
 
 template <typename T>
@@ -113,6 +115,9 @@ int run(const int64_t* r) {
       return pr_lora(int(a[0]), p<const void>(a[1]), a[2], p<void>(a[3]), a[4], p<const int32_t>(a[5]),
                      p<const void>(a[6]), p<const void>(a[7]), p<const int64_t>(a[8]), a[9], a[10], a[11], a[12],
                      a[13], a[14], p<void>(a[15]), a[16]);
+    case LORA_EMBED:
+      return pr_lora_embed(int(a[0]), p<const int64_t>(a[1]), p<void>(a[2]), a[3], p<const int32_t>(a[4]),
+                           p<const void>(a[5]), p<const void>(a[6]), a[7], a[8], a[9], a[10], a[11]);
   }
   return -1;  // unknown kernel id
 }

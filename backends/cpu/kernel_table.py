@@ -227,6 +227,7 @@ def shape_key(shape: tuple[int, int], hint: int) -> str:
 
 
 _parsed: dict[Path, tuple[tuple[int, int, int], dict]] = {}   # path -> (file stamp, table): one parse per change
+_unsaved: dict[Path, dict] = {}   # path -> times taken under load: this process's only (see `_quiet`)
 
 
 def _read(path: Path) -> dict:
@@ -241,18 +242,29 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _table(path: Path) -> dict:
+    """The cached table with this process's unsaved times over it: every engine in a process picks the
+    same kernels."""
+    return {**_read(path), **_unsaved.get(path, {})}
+
+
+def _keep(path: Path, entries: dict, quiet: bool) -> None:
+    """Add `entries` to the table file when they were timed `quiet`ly, else to this process's memo."""
+    if quiet:
+        _write(path, {**_read(path), **entries})   # with what other engines added meanwhile
+    else:
+        _unsaved.setdefault(path, {}).update(entries)
+
+
 def cached(key: str, measure_fn: Callable[[], Times], threads: int) -> Times:
     """The times stored under `key` in the table for `threads`, else `measure_fn()`'s, stored."""
     path = table_path(threads)
-    table = _read(path)
+    table = _table(path)
     if key in table:
         return {k: {int(M): t for M, t in v.items()} for k, v in table[key].items()}
     start, before = time.perf_counter(), threads_.cpu_sample()
     times = measure_fn()
-    if _quiet(before, key):
-        table = _read(path)   # what other engines added meanwhile
-        table[key] = times
-        _write(path, table)
+    _keep(path, {key: times}, _quiet(before, key))
     logger.info("timed %s in %.2f s: %s", key, time.perf_counter() - start,
                 ", ".join(f"{k} {sum(t for t in v.values() if t is not None):.0f} us" for k, v in times.items()))
     return times
@@ -261,7 +273,7 @@ def cached(key: str, measure_fn: Callable[[], Times], threads: int) -> Times:
 def _quiet(before: tuple[float, float, float] | None, what: str) -> bool:
     """Whether other processes left the cores alone while `what` was timed (since `before`): at most
     `BUSY_LIMIT` cores busy elsewhere. Times taken under load rank kernels by how they suffer from it,
-    so they are used for this process only and not cached (the next start times again); said at INFO
+    so they are kept for this process only and not cached (the next start times again); said at INFO
     (a library says nothing on stderr unless the application configures logging)."""
     busy = threads_.busy_elsewhere(before, threads_.cpu_sample())
     if busy > BUSY_LIMIT:
@@ -277,7 +289,7 @@ def linear_table(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, 
     there, else measured with `threads` threads (pool and OpenMP) and added to it. `rows_limit`: the
     most rows a shape's steps have (default the last of `ROWS`)."""
     path = table_path(threads)
-    cached = _read(path)
+    cached = _table(path)
     names = available()
     out, measured, start, before = {}, [], time.perf_counter(), threads_.cpu_sample()
     saved = torch.get_num_threads()
@@ -297,9 +309,9 @@ def linear_table(weights: dict[tuple[int, int], list[torch.Tensor]], hint: int, 
             out[shape] = entry
     finally:
         torch.set_num_threads(saved)
-    if measured and _quiet(before, "the bfloat16 linear kernels"):
-        _write(path, {**_read(path), **cached})
     if measured:
+        _keep(path, {shape_key(shape, hint): cached[shape_key(shape, hint)] for shape in measured},
+              _quiet(before, "the bfloat16 linear kernels"))
         logger.info("timed the bfloat16 linear kernels (%s) at %d weight shapes in %.1f s on %d threads; "
                     "cached in %s", ", ".join(names), len(measured), time.perf_counter() - start, threads, path)
     return out

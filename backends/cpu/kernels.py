@@ -237,6 +237,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_lora_scratch_bytes.restype = i64
     lib.pr_lora_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
     lib.pr_lora_simd.restype = ctypes.c_int
+    lib.pr_lora_embed.restype = ctypes.c_int
+    lib.pr_lora_embed.argtypes = [ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.pr_replay.restype = i64
     lib.pr_replay.argtypes = [ptr, i64]
     lib.pr_replay_timed.restype = i64

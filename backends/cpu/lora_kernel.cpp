@@ -24,6 +24,11 @@
 // or on the OpenMP team in prefill: two dispatches per call. No allocation: the caller passes
 // `scratch` of pr_lora_scratch_bytes(chunk, ...) bytes and the tokens go in chunks of `chunk`.
 // The portable build (PR_PORTABLE, CPUs without AVX-512) runs the same items with plain loops.
+//
+// pr_lora_embed(ids [T], y [T, H], token_lora [T], lora_a [L, V, R], lora_b [L, H, R]) is the
+// "lora_embedding" role's: y[t] += lora_a[l, ids[t]] @ lora_b[l].T. Work items are MR consecutive
+// tokens (a request's tokens are consecutive, so mostly one slot); a run of tokens of one slot
+// shares each block of NR rows of B (widen_dot.h's dot blocks, K = R).
 
 #include <algorithm>
 #include <cstdint>
@@ -326,6 +331,45 @@ void apply(const Args& a, int64_t n, const Scratch& s) {
     }
   });
 }
+template <class W>
+void embed_item(int64_t i, const int64_t* ids, W* y, int64_t y_ts, const int32_t* token_lora, const W* lora_a,
+                const W* lora_b, int64_t T, int64_t V, int64_t H, int64_t L, int64_t R) {
+  alignas(64) float z[MR][MAX_RANK];
+  const int64_t end = std::min(T, (i + 1) * MR);
+  for (int64_t t0 = i * MR; t0 < end;) {
+    const int32_t l = token_lora[t0];
+    int64_t t1 = t0 + 1;
+    while (t1 < end && token_lora[t1] == l) ++t1;
+    if (l >= 0 && l < L) {
+      const int mr = int(t1 - t0);
+      const float* zp[MR];
+      for (int m = 0; m < mr; ++m) {
+        const int64_t id = std::min(std::max(ids[t0 + m], int64_t(0)), V - 1);
+        const W* row = lora_a + (l * V + id) * R;
+        for (int64_t r = 0; r < R; ++r) z[m][r] = load1(row, r);
+        zp[m] = z[m];
+      }
+      const W* b = lora_b + l * H * R;
+      for (int64_t h0 = 0; h0 < H; h0 += NR) {
+        const int nr = int(std::min<int64_t>(NR, H - h0));
+        const W* w[NR];
+        for (int n = 0; n < NR; ++n) w[n] = b + (h0 + std::min(n, nr - 1)) * R;
+        float res[MR][NR];
+        dot<W>(mr, nr, zp, w, R, res);
+        for (int m = 0; m < mr; ++m) {
+          W* out = y + (t0 + m) * y_ts + h0;
+          for (int n = 0; n < nr; ++n) {
+            if constexpr (sizeof(W) == 2)
+              out[n] = f32_to_bf16(bf16_to_f32(out[n]) + res[m][n]);
+            else
+              out[n] += res[m][n];
+          }
+        }
+      }
+    }
+    t0 = t1;
+  }
+}
 }  // namespace
 
 extern "C" {
@@ -369,6 +413,24 @@ int pr_lora(int dtype, const void* x, int64_t x_ts, void* y, int64_t y_ts, const
     else
       apply<float>(a, n, s);
   }
+  return 0;
+}
+
+// y[t] (row stride y_ts) += lora_a[l, ids[t]] @ lora_b[l].T for t < T, l = token_lora[t] in
+// [0, L) (other tokens are left as they are), ids clamped to [0, V). dtype 0: float32 y, lora_a,
+// lora_b; 1: bfloat16. ids int64 [T]; lora_a [L, V, R], lora_b [L, H, R] contiguous. Returns 0,
+// or 1 for unsupported arguments (R > 512, bad sizes).
+int pr_lora_embed(int dtype, const int64_t* ids, void* y, int64_t y_ts, const int32_t* token_lora, const void* lora_a,
+                  const void* lora_b, int64_t T, int64_t V, int64_t H, int64_t L, int64_t R) {
+  if (V < 1 || H < 1 || L < 1 || R < 1 || R > MAX_RANK || T < 0 || (dtype != 0 && dtype != 1)) return 1;
+  run_items((T + MR - 1) / MR, [&](int64_t i) {
+    if (dtype)
+      embed_item(i, ids, static_cast<uint16_t*>(y), y_ts, token_lora, static_cast<const uint16_t*>(lora_a),
+                 static_cast<const uint16_t*>(lora_b), T, V, H, L, R);
+    else
+      embed_item(i, ids, static_cast<float*>(y), y_ts, token_lora, static_cast<const float*>(lora_a),
+                 static_cast<const float*>(lora_b), T, V, H, L, R);
+  });
   return 0;
 }
 }

@@ -8,19 +8,31 @@ kernels' thread pool, through `kernel_calls.call` (so a CPU graph records it: th
 The module keeps the reference's attributes and its parameters themselves. The factory
 `LoRAOverride` gives the modules of one shape one scratch buffer, sized once for chunks of
 `chunk_tokens(...)` tokens (no allocation per call; layers run one at a time).
+
+The "lora_embedding" override, `CPULoRAEmbedding`, is the embeddings' adapters as one `pr_lora_embed`
+call adding to the looked-up embeddings in place (recorded in CPU graphs the same way).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.kernel_calls import call
-from polyrunner.plugin_api import EngineConfig, LoRALinear, LoRAMapping, add_lora, keep_lora_attributes
+from polyrunner.plugin_api import (
+    EngineConfig,
+    LoRAEmbedding,
+    LoRALinear,
+    LoRAMapping,
+    add_lora,
+    add_lora_embedding,
+    keep_lora_attributes,
+)
 
 SCRATCH_BUDGET = 8 << 20   # bytes of scratch per layer shape: the tokens of one pass of the kernel
 MAX_LORAS = 256            # pr_lora's limit on slots
@@ -107,10 +119,57 @@ class LoRAOverride:
         return CPULoRALinear(module, lib, scratch, chunk)
 
 
-def lora_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, LoRAOverride]:
-    """{"lora": LoRAOverride} for a float32 or bfloat16 model when LoRA is enabled (`config.lora`;
-    the core wraps linears in `LoRALinear` only then) and the kernel library is there, else {}."""
+class CPULoRAEmbedding(nn.Module):
+    """`LoRAEmbedding` as one `pr_lora_embed` call on the embeddings (in place); inputs it does not
+    take (another dtype, int32 ids, a row stride) go through the reference `add_lora_embedding`."""
+
+    mapping: LoRAMapping
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    def __init__(self, emb: nn.Module, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        self.mapping, self.lora_a, self.lora_b = emb.mapping, emb.lora_a, emb.lora_b
+        self.lib = lib
+
+    def forward(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        token_lora = self.mapping.token_lora[:tokens]
+        dtype = self.lora_a.dtype
+        if (x.dtype != dtype or x.dim() != 2 or x.stride(-1) != 1 or input_ids.dtype != torch.int64
+                or not input_ids.is_contiguous() or token_lora.dtype != torch.int32
+                or token_lora.device.type != "cpu"):
+            return add_lora_embedding(x, input_ids, self.lora_a, self.lora_b, token_lora)
+        slots, vocab, rank = self.lora_a.shape
+        rc = call(self.lib.pr_lora_embed, kernels.DTYPES[dtype], input_ids.data_ptr(), x.data_ptr(), x.stride(0),
+                  token_lora.data_ptr(), self.lora_a.data_ptr(), self.lora_b.data_ptr(), tokens, vocab,
+                  x.shape[1], slots, rank)
+        if rc != 0:
+            raise RuntimeError(f"CPU LoRA embedding kernel failed (code {rc}) for {self.extra_repr()}")
+        return x
+
+    def extra_repr(self) -> str:
+        slots, vocab, rank = self.lora_a.shape
+        return f"vocab={vocab}, hidden={self.lora_b.shape[1]}, max_loras={slots}, max_rank={rank}"
+
+
+def embedding_override(module: nn.Module) -> nn.Module:
+    """The "lora_embedding" factory: a `LoRAEmbedding` with contiguous float32 or bfloat16 slots on
+    the CPU -> `CPULoRAEmbedding`; anything else is kept."""
+    lib = kernels.paged_attention_kernel()
+    if (lib is None or type(module) is not LoRAEmbedding or module.lora_a.dtype not in kernels.DTYPES
+            or module.lora_b.dtype != module.lora_a.dtype or module.lora_a.device.type != "cpu"
+            or not (module.lora_a.is_contiguous() and module.lora_b.is_contiguous())):
+        return module
+    return CPULoRAEmbedding(module, lib)
+
+
+def lora_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """{"lora": LoRAOverride, "lora_embedding": embedding_override} for a float32 or bfloat16 model
+    when LoRA is enabled (`config.lora`; the core adds the LoRA modules only then) and the kernel
+    library is there, else {}."""
     if (getattr(config, "lora", None) is None or dtype not in kernels.DTYPES
             or kernels.paged_attention_kernel() is None):
         return {}
-    return {"lora": LoRAOverride(max(64, config.scheduler.max_num_batched_tokens))}
+    return {"lora": LoRAOverride(max(64, config.scheduler.max_num_batched_tokens)),
+            "lora_embedding": embedding_override}

@@ -100,8 +100,7 @@ def load_runner(config: EngineConfig, backend: Backend, tp: TensorParallel | Non
         upload = backend.to_device if backend.capabilities.static_shapes else None   # compiled, not replayed
         runner.attach_lora(LoRAManager(model, config.lora, arch, shard, runner.max_step_tokens, dtype, backend.device,
                                        upload))
-        if "lora" in overrides:
-            apply_overrides(model, {"lora": overrides["lora"]})
+        apply_overrides(model, {role: overrides[role] for role in ("lora", "lora_embedding") if role in overrides})
     num_blocks = runner.initialize_kv_cache(agree=None if tp is None else tp.agree_min)
     return LoadedModel(folder, hf_config, arch, limit, dtype, quantization, runner, num_blocks)
 

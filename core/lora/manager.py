@@ -21,12 +21,12 @@ from torch import nn
 
 from polyrunner.config import LoRAConfig
 from polyrunner.distributed.shard import TPShard
-from polyrunner.lora.model import LoRATarget, wrap_linears, write_lm_head, write_slot
+from polyrunner.lora.model import LoRATarget, wrap_linears, write_embedding, write_lm_head, write_slot
 from polyrunner.lora.peft import PeftAdapter, read_adapter
 from polyrunner.lora.request import LoRARequest
 from polyrunner.lora.vocab import LoRALogits
 from polyrunner.models.arch import DecoderArch
-from polyrunner.ops.lora import LoRAMapping
+from polyrunner.ops.lora import LoRAEmbedding, LoRAMapping
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class LoRAManager:
         self.lm_head = LoRALogits(shard.vocab_per_rank, arch.hidden_size, config.max_loras, config.max_lora_rank,
                                   self.mapping, dtype, device)
         model.lm_head_lora = self.lm_head
+        # replaced by the backend's "lora_embedding" op, which keeps these parameters
+        self.embedding = LoRAEmbedding(arch.vocab_size, arch.hidden_size, config.max_loras, config.max_lora_rank,
+                                       self.mapping, dtype, device)
+        model.embed_lora = self.embedding
         if upload is not None:   # empty slots as device arrays, not lazy zeros
             for slot in range(config.max_loras):
                 self._write(slot, None)
@@ -99,8 +103,9 @@ class LoRAManager:
         return np.array([self.slots[i] for i in wanted], np.int32)
 
     def _write(self, slot: int, adapter: PeftAdapter | None) -> None:
-        """Fill (None: empty) `slot` of every wrapped linear and of the LM head."""
+        """Fill (None: empty) `slot` of every wrapped linear, of the embeddings and of the LM head."""
         write_slot(self.targets, slot, adapter, self.arch, self.shard, self.upload)
+        write_embedding(self.embedding, slot, None if adapter is None else adapter.embed_tokens, self.upload)
         head = None if adapter is None else adapter.lm_head
         write_lm_head(self.lm_head, slot, head, self.shard, self.upload)
 

@@ -24,7 +24,7 @@ from polyrunner.distributed.shard import TPShard
 from polyrunner.lora.peft import LoRAWeights, PeftAdapter, module_sizes
 from polyrunner.lora.vocab import LoRALogits
 from polyrunner.models.arch import DecoderArch
-from polyrunner.ops.lora import LoRALinear, LoRAMapping
+from polyrunner.ops.lora import LoRAEmbedding, LoRALinear, LoRAMapping
 
 # wrapped linear -> the checkpoint modules of its output slices, in order
 SLICES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -133,3 +133,17 @@ def write_lm_head(head: LoRALogits, slot: int, weights: LoRAWeights | None, shar
     store(head.a, slot, a_slot, upload)
     store(head.b, slot, b_slot, upload)
     head.slots = sorted(set(head.slots) - {slot} | ({slot} if weights is not None else set()))
+
+
+def write_embedding(emb: LoRAEmbedding, slot: int, weights: LoRAWeights | None, upload: Upload | None = None) -> None:
+    """Fill slot `slot` of the embeddings' adapters with peft's `embed_tokens` weights (A [r, vocab]
+    stored transposed, B [hidden, r] scaled; the whole vocabulary on every rank: the update is
+    added after the embedding's all-reduce); None: empty it."""
+    a_slot = torch.zeros(emb.lora_a.shape[1:], dtype=emb.lora_a.dtype)
+    b_slot = torch.zeros(emb.lora_b.shape[1:], dtype=emb.lora_b.dtype)
+    if weights is not None:
+        r = weights.a.shape[0]
+        a_slot[:, :r] = weights.a.t()
+        b_slot[:, :r] = weights.b
+    store(emb.lora_a, slot, a_slot, upload)
+    store(emb.lora_b, slot, b_slot, upload)

@@ -308,13 +308,15 @@ def _check_shapes(where: str, weights: LoRAWeights, fan_in: int, fan_out: int) -
             raise ValueError(f"{where}: {which} has shape {tuple(tensor.shape)}, the model needs {expected}")
 
 
-def save_adapter(path: str | Path, modules: dict[tuple[int, str], LoRAWeights], rank: int, lora_alpha: float) -> None:
-    """Write `modules` ((layer, module name) -> A [r, in] and B [out, r], B not scaled) as a PEFT
-    adapter folder that `read_adapter` (and peft) read: for tests and benchmarks that need
-    adapters of a model's shapes without building the model."""
+def save_adapter(path: str | Path, modules: dict[tuple[int, str], LoRAWeights], rank: int, lora_alpha: float,
+                 embed_tokens: LoRAWeights | None = None) -> None:
+    """Write `modules` ((layer, module name) -> A [r, in] and B [out, r], B not scaled) and
+    `embed_tokens` (A [r, vocab], B [hidden, r]) as a PEFT adapter folder that `read_adapter` (and
+    peft) read: for tests and benchmarks that need adapters of a model's shapes without building
+    the model."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    targets = sorted({name for _, name in modules})
+    targets = sorted({name for _, name in modules} | ({"embed_tokens"} if embed_tokens is not None else set()))
     (folder / CONFIG_FILE).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": lora_alpha,
                                                   "target_modules": targets, "bias": "none"}))
     tensors = {}
@@ -322,5 +324,9 @@ def save_adapter(path: str | Path, modules: dict[tuple[int, str], LoRAWeights], 
         block = "self_attn" if name in ATTENTION_TARGETS else "mlp"
         key = f"{_PREFIX}model.layers.{layer}.{block}.{name}"
         tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = w.a.contiguous(), w.b.contiguous()
+    if embed_tokens is not None:
+        key = f"{_PREFIX}model.embed_tokens"
+        tensors[f"{key}.lora_embedding_A"] = embed_tokens.a.contiguous()
+        tensors[f"{key}.lora_embedding_B"] = embed_tokens.b.contiguous()
     save_file(tensors, str(folder / WEIGHTS_FILE))
 

@@ -30,10 +30,6 @@ class AdapterRegistry:
             return
         adapter = read_adapter(request.lora_path, self.config.max_lora_rank)
         check_adapter(adapter, self.arch)
-        if adapter.embed_tokens is not None:
-            raise ValueError(f"While loading {request.lora_path}: LoRA on embed_tokens is not supported by polyrunner "
-                             "(an embedding update inside the captured decode graphs); supported target modules: the "
-                             "attention and MLP projections and lm_head")
         self.checked[request.lora_int_id] = request
 
     def add(self, request: LoRARequest) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polyrunner.ops.lora import LoRAMapping
+from polyrunner.ops.lora import LoRAMapping, slot_parameter
 
 
 class LoRALogits(nn.Module):
@@ -23,10 +23,8 @@ class LoRALogits(nn.Module):
                  dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.mapping = mapping
-        self.a = nn.Parameter(torch.zeros(max_loras, max_rank, hidden, dtype=dtype, device=device),
-                              requires_grad=False)
-        self.b = nn.Parameter(torch.zeros(max_loras, vocab, max_rank, dtype=dtype, device=device),
-                              requires_grad=False)
+        self.a = slot_parameter((max_loras, max_rank, hidden), dtype, device)
+        self.b = slot_parameter((max_loras, vocab, max_rank), dtype, device)
 
         self.slots: list[int] = []   # the slots holding an LM-head adapter
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from polyrunner.ops.gated_mlp import GatedMLP
-from polyrunner.ops.lora import LoRALinear, LoRAMapping
+from polyrunner.ops.lora import LoRAEmbedding, LoRALinear, LoRAMapping
 from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
@@ -240,3 +240,36 @@ def lora_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen: 
                 calls.append(Call("forward", _shape(x), run))
             yield Case(_ready(lora, dtype, device), tuple(calls))
             case += 1
+
+
+LORA_VOCAB = 97   # the embedding cases' vocabulary
+
+
+def lora_embedding_cases(dtype: torch.dtype, device: torch.device, sizes: CaseSizes, gen: torch.Generator
+                         ) -> Iterator[Case]:
+    """LoRAEmbedding at each hidden size: 3 slots of max rank 16 holding adapters of ranks 4, 8
+    and 16 or an empty slot (rotated per case); per row count random token ids (the first and last
+    of the vocabulary among them), a random `token_lora` as for "lora" and random embeddings."""
+    for case, h in enumerate(sizes.hidden):
+        mapping = LoRAMapping(max(sizes.rows), device)
+        emb = LoRAEmbedding(LORA_VOCAB, h, LORA_MAX_LORAS, LORA_MAX_RANK, mapping, torch.float32, "cpu")
+        for slot in range(LORA_MAX_LORAS):
+            r = LORA_RANKS[(case + slot) % len(LORA_RANKS)]
+            emb.lora_a.data[slot, :, :r] = torch.randn(LORA_VOCAB, r, generator=gen)
+            emb.lora_b.data[slot, :, :r] = torch.randn(h, r, generator=gen) * (2 / max(r, 1)) * 0.1
+        calls = []
+        for i, rows in enumerate(sizes.rows):
+            ids = torch.randint(0, LORA_VOCAB, (rows,), generator=gen)
+            ids[0], ids[-1] = 0, LORA_VOCAB - 1
+            ids = ids.to(device)
+            x = _randn((rows, h), gen, dtype, device)
+            slots = _token_lora(rows, LORA_MAX_LORAS, (case + i) % LORA_MAX_LORAS, gen).to(device)
+
+            def run(m: nn.Module, ids: torch.Tensor = ids, x: torch.Tensor = x,
+                    slots: torch.Tensor = slots) -> tuple[torch.Tensor, ...]:
+                mapping = m.mapping
+                assert isinstance(mapping, LoRAMapping)
+                mapping.set(slots)
+                return (m(ids, x.clone()),)
+            calls.append(Call("forward", _shape(x), run))
+        yield Case(_ready(emb, dtype, device), tuple(calls))

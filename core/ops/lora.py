@@ -12,6 +12,10 @@ shape is fixed (graph capture, static-shape backends):
 (`output_slices`: 3 for qkv, 2 for gate_up, else 1). A token of slot l gets
 `(x @ lora_a[l].T) @ lora_b[l].T` added to the base output; a token with -1 gets
 nothing. An empty slot is all zeros.
+
+The "lora_embedding" role is the same for the token embeddings (peft's `embed_tokens`
+adapters): `lora_a [L, V, R]` (peft's lora_embedding_A, transposed), `lora_b [L, H, R]`
+(scaled); a token `id` of slot l gets `lora_a[l, id] @ lora_b[l].T` added to its embedding.
 """
 
 from __future__ import annotations
@@ -34,6 +38,23 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         delta = (xf @ lora_a[slot].float().t()) @ lora_b[slot].float().t()
         acc = acc + delta * (token_lora == slot).unsqueeze(-1)
     return acc.to(y.dtype)
+
+
+def add_lora_embedding(y: torch.Tensor, input_ids: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       token_lora: torch.Tensor) -> torch.Tensor:
+    """`y [T, H]` (the tokens' embeddings) plus each token's embedding update (module doc), in
+    float32, returned in y's dtype. Static shapes (graph-safe): each token's row of A in its
+    slot's block of `[T, L * R]` (zeros elsewhere and for -1), times every slot's B at once."""
+    slots, vocab, rank = lora_a.shape
+    slot = token_lora.long()
+    has = ((slot >= 0) & (slot < slots)).unsqueeze(-1)   # a slot outside [0, L): no adapter, as add_lora
+    slot = slot.clamp(0, slots - 1)
+    index = slot * vocab + input_ids.long().clamp(0, vocab - 1)
+    rows = lora_a.reshape(slots * vocab, rank)[index].float() * has            # [T, R]
+    onehot = (slot.unsqueeze(-1) == torch.arange(slots, device=slot.device)).float() * has   # [T, L] (no sync)
+    wide = (onehot.unsqueeze(-1) * rows.unsqueeze(1)).reshape(-1, slots * rank)
+    stacked = lora_b.float().permute(0, 2, 1).reshape(slots * rank, -1)        # [L * R, H]
+    return (y.float() + wide @ stacked).to(y.dtype)
 
 
 class LoRAMapping:
@@ -74,6 +95,11 @@ class LoRAMapping:
         return buffer
 
 
+def slot_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """Zeroed adapter slots (`shape[0]` = max_loras), written when adapters are loaded; no grad."""
+    return nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+
+
 # the "lora" role's attributes a replacement keeps (the same objects: base module, parameters, mapping)
 ROLE_ATTRIBUTES = ("base", "in_features", "output_slices", "max_rank", "mapping", "lora_a", "lora_b")
 
@@ -101,10 +127,8 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.mapping = mapping
         ranks, out = len(output_slices) * max_rank, sum(output_slices)
-        self.lora_a = nn.Parameter(torch.zeros(max_loras, ranks, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.lora_b = nn.Parameter(torch.zeros(max_loras, out, ranks, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.lora_a = slot_parameter((max_loras, ranks, in_features), dtype, device)
+        self.lora_b = slot_parameter((max_loras, out, ranks), dtype, device)
 
     @property
     def max_loras(self) -> int:
@@ -119,10 +143,37 @@ class LoRALinear(nn.Module):
                f"max_rank={self.max_rank}"
 
 
+class LoRAEmbedding(nn.Module):
+    """The embeddings' adapters in `max_loras` slots: `forward(input_ids [T], x [T, H]) -> [T, H] =
+    add_lora_embedding(x, input_ids, lora_a, lora_b, mapping.token_lora[:T])`. Attributes a
+    replacement keeps (and reads at call time): `lora_a [L, V, R]`, `lora_b [L, H, R]`, `mapping`.
+    Runs inside the captured decode graphs, for every token (an empty slot is zeros)."""
+
+    def __init__(self, vocab: int, hidden: int, max_loras: int, max_rank: int, mapping: LoRAMapping,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.mapping = mapping
+        self.lora_a = slot_parameter((max_loras, vocab, max_rank), dtype, device)
+        self.lora_b = slot_parameter((max_loras, hidden, max_rank), dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return add_lora_embedding(x, input_ids, self.lora_a, self.lora_b, self.mapping.token_lora[: x.shape[0]])
+
+    def extra_repr(self) -> str:
+        slots, vocab, rank = self.lora_a.shape
+        return f"vocab={vocab}, hidden={self.lora_b.shape[1]}, max_loras={slots}, max_rank={rank}"
+
+
+EMBEDDING_ATTRIBUTES = ("lora_a", "lora_b", "mapping")   # what a "lora_embedding" replacement keeps
+
+
 def lora_places(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
-    """`("lora", parent, attribute, module)` for each `LoRALinear` in `model`: a model's
-    `replaceable_modules` entries for the "lora" role (none unless LoRA wrapped its linears)."""
+    """`(role, parent, attribute, module)` for each `LoRALinear` ("lora") and `LoRAEmbedding`
+    ("lora_embedding") in `model`: a model's `replaceable_modules` entries for the LoRA roles (none
+    unless LoRA is enabled)."""
     for parent in model.modules():
         for attr, child in parent.named_children():
             if isinstance(child, LoRALinear):
                 yield "lora", parent, attr, child
+            elif isinstance(child, LoRAEmbedding):
+                yield "lora_embedding", parent, attr, child

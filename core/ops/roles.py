@@ -23,12 +23,13 @@ from polyrunner.ops.cases import (
     gated_mlp_cases,
     linear_cases,
     lora_cases,
+    lora_embedding_cases,
     moe_cases,
     rms_norm_cases,
     rotary_cases,
 )
 from polyrunner.ops.gated_mlp import GatedMLP
-from polyrunner.ops.lora import LoRALinear
+from polyrunner.ops.lora import LoRAEmbedding, LoRALinear
 from polyrunner.ops.moe import FusedMoE
 from polyrunner.ops.rms_norm import RMSNorm
 from polyrunner.ops.rotary import RotaryEmbedding
@@ -73,11 +74,19 @@ LORA = Role("lora", LoRALinear, (
     "folded in), output_slices, max_rank and mapping, which a replacement keeps and reads at call time "
     "(adapters are written into the slots in place). Wrapped around the linears after the other roles' "
     "overrides, only when LoRA is enabled."), lora_cases)
+LORA_EMBEDDING = Role("lora_embedding", LoRAEmbedding, (
+    "forward(input_ids [T], x [T, H]) -> [T, H] = add_lora_embedding(x, input_ids, lora_a, lora_b, "
+    "mapping.token_lora[:T]) (polyrunner.ops.lora): a token of slot l (-1: none) adds lora_a[l, id] @ "
+    "lora_b[l].T to its embedding; attributes lora_a [L, V, R], lora_b [L, H, R] (scaling folded in) and "
+    "mapping, which a replacement keeps and reads at call time. Runs inside the captured decode graphs; "
+    "present only when LoRA is enabled."), lora_embedding_cases)
 ATTENTION = Role("attention", reference_paged_attention, (
     "Backend.attention(q, k, v, kv_cache, meta, spec) -> [T_pad, Hq, D]: write this step's k/v at "
     "meta.slot_mapping, then attend each request's queries to its context. Overridden by defining "
     "Backend.attention, not through op_overrides."), None)
 
-ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, MOE, LORA, ATTENTION)}
+ROLES: dict[str, Role] = {r.name: r for r in (LINEAR, RMS_NORM, ROTARY, GATED_MLP, MOE, LORA, LORA_EMBEDDING,
+                                              ATTENTION)}
 # the roles `Backend.op_overrides` may name, in the order `apply_overrides` replaces them (innermost first)
-MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name, MOE.name, LORA.name)
+MODULE_ROLES: tuple[str, ...] = (LINEAR.name, RMS_NORM.name, ROTARY.name, GATED_MLP.name, MOE.name, LORA.name,
+                                 LORA_EMBEDDING.name)
