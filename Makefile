@@ -8,7 +8,7 @@ STAMP := $(VENV)/.polyrunner-installed
 # name where they differ): `make test` runs the conformance suite once more with all of them
 # hidden (.ci/hide_packages), as after a plain `pip install polyrunner`.
 # tests/test_conformance_optional.py keeps this list in step with pyproject.toml.
-OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py,ruff,mypy,mypyc,peft
+OPTIONAL_PACKAGES := xgrammar,triton,torch_xla,torch_npu,transformers,sentencepiece,protobuf,google,jsonschema,openai,httpx,hypothesis,pytest,py,ruff,mypy,mypyc,peft,ray
 
 .PHONY: setup demo lint test test-fast test-xla bench clean
 

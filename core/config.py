@@ -87,6 +87,11 @@ class ParallelConfig(_Strict):
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=512, description="ranks the model is sharded over "
                                       "(vLLM's name): heads, MLP rows and the vocabulary split; one process each")
+    data_parallel_size: int = Field(default=1, ge=1, le=64, description="engine replicas (vLLM's name), each "
+                                    "with its own tensor-parallel group, behind one frontend that routes requests")
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        default=None, description="how tensor-parallel workers start (vLLM's name): \"mp\" (processes spawned on "
+        "this host, or torchrun's), \"ray\" (Ray actors in a placement group; `polyrunner[ray]`); None: \"mp\"")
 
 
 class RunnerConfig(_Strict):

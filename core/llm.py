@@ -60,6 +60,9 @@ class LLM:
     the backend's `Capabilities.async_scheduling` allows it); `tensor_parallel_size`
     shards the model over that many devices, one process each (see
     `polyrunner.distributed.launch`; `shutdown()` stops them, as does exit);
+    `data_parallel_size` > 1 runs that many engine replicas, each in its own process on
+    its share of the host, and spreads the prompts over them (`polyrunner.engine.dp_engine`:
+    an invalid prompt then comes back as an output with `error`, never a ValueError);
     `speculative_config` turns on speculative decoding, vLLM's dict form, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     "prompt_lookup_max": 4} (see `polyrunner.config.SpeculativeConfig`).
@@ -94,10 +97,13 @@ class LLM:
                  seed: int = default_of(ModelConfig, "seed"),
                  tokenizer: str | None = None, async_scheduling: bool | None = None,
                  tensor_parallel_size: int = default_of(ParallelConfig, "tensor_parallel_size"),
+                 data_parallel_size: int = default_of(ParallelConfig, "data_parallel_size"),
+                 distributed_executor_backend: str | None = None,
                  speculative_config: dict | SpeculativeConfig | None = None,
                  enable_lora: bool = False, max_loras: int = default_of(LoRAConfig, "max_loras"),
                  max_lora_rank: int = default_of(LoRAConfig, "max_lora_rank"), max_cpu_loras: int | None = None,
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
+        given = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")} | kwargs
         note_trust_remote_code(trust_remote_code)
         runner_fields = set(RunnerConfig.model_fields) - {"backend", "enforce_eager", "cudagraph_mode"}
         runner_options = {k: v for k, v in kwargs.items() if k in runner_fields}
@@ -121,11 +127,16 @@ class LLM:
                                       policy=scheduling_policy, async_scheduling=async_scheduling),
             runner=RunnerConfig(backend=backend, enforce_eager=enforce_eager, cudagraph_mode=cudagraph_mode,
                                 **runner_options),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend),
             speculative=speculative_config,
             lora=LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
             if enable_lora else None)
-        self.engine = LLMEngine(config)
+        if data_parallel_size > 1:   # N engine processes; prompts spread by the server's router
+            from polyrunner.engine.dp_engine import DPEngine
+            self.engine = DPEngine(given, data_parallel_size, engine_of)
+        else:
+            self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers (nothing to do on one device)."""
@@ -265,6 +276,12 @@ class LLM:
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
                    for text in texts]
         return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+def engine_of(llm_kwargs: dict[str, Any]) -> LLMEngine:
+    """`LLM(**llm_kwargs)`'s engine: what an engine process builds (module level: it pickles by reference)."""
+    engine: LLMEngine = LLM(**llm_kwargs).engine
+    return engine
 
 
 def _loras(lora_request: LoRARequests, n: int) -> list[LoRARequest | None]:

@@ -13,7 +13,7 @@ SLOW = {
     "test_cpu_quant_model", "test_serve", "test_structured_outputs", "test_spec_decode", "test_serve_hostile",
     "test_conformance_broken", "test_cli", "test_conformance_optional", "test_structured_async_compile",
     "test_engine_process", "test_triton_attention", "test_cuda_graphs", "test_async_llm", "test_structured_serve",
-    "test_moe_tensor_parallel", "test_gemma_tensor_parallel",
+    "test_moe_tensor_parallel", "test_gemma_tensor_parallel", "test_ray_executor",
 }
 KERNELS = {
     "test_cpu_decode_kernels", "test_cpu_kernel_table", "test_cpu_kernels_fast", "test_cpu_prefill_attention",

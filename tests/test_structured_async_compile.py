@@ -340,7 +340,11 @@ def test_server_streams_flow_while_a_real_grammar_compiles(monkeypatch):
         during = [b - a for a, b in zip(times, times[1:]) if b > sent]
         flowed = sum(sent < t < answered for t in times)   # chunks that came while the grammar compiled
         assert answered - sent > 0.5 and flowed >= 3, f"the compile did not overlap the stream ({flowed} chunks)"
-        assert max(during) < 1.0, f"a stream stalled {max(during):.2f} s while a grammar compiled"
+        # blocked, the stream would stop for the whole compile; a loaded machine adds pauses of its
+        # own, so the bound is 1 s or 40% of the compile, whichever is longer
+        bound = max(1.0, 0.4 * (answered - sent))
+        assert max(during) < bound, f"a stream stalled {max(during):.2f} s while a grammar compiled " \
+                                    f"({answered - sent:.2f} s)"
         wait_idle(allm)
     finally:
         srv.stop()

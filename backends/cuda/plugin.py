@@ -144,7 +144,7 @@ class CUDABackend(Backend):
     name = "cuda"
     priority = 100
     capabilities = Capabilities(graph_mode="cuda_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True, distributed_backend="nccl",
+                                async_scheduling=True, distributed_backend="nccl", ray_device_key="GPU",
                                 attention_features=ATTENTION_FEATURES)   # Triton's WINDOW/SOFTCAP; SDPA's fallback
     executor: StaticGraphExecutor | None
 

@@ -93,7 +93,7 @@ class NPUBackend(Backend):
     name = "npu"
     priority = 90
     capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
-                                async_scheduling=True, distributed_backend="hccl",
+                                async_scheduling=True, distributed_backend="hccl", ray_device_key="NPU",
                                 # torch_npu's _npu_paged_attention has no logit soft cap: Gemma 2 is refused
                                 attention_features=ATTENTION_FEATURES - {"logits_soft_cap"})
     kv_alignment_bytes = ALIGNMENT

@@ -109,6 +109,9 @@ class Capabilities:
       and the backend annotates the sharding (no ranks, no distributed_backend).
     attention_features: the `ATTENTION_FEATURES` its attention honours; the engine
       refuses at start a model whose layers need another one, naming it.
+    ray_device_key: the Ray resource one rank's device is (vLLM's name: "GPU", "NPU");
+      `distributed_executor_backend="ray"` places each rank in a bundle of one; None: a
+      rank is a CPU (a bundle of one "CPU").
     """
 
     graph_mode: str = "eager"
@@ -120,6 +123,7 @@ class Capabilities:
     distributed_backend: str | None = None
     attention_features: frozenset[str] = ATTENTION_FEATURES
     spmd: bool = False
+    ray_device_key: str | None = None
 
 
 @dataclass

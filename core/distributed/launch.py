@@ -7,6 +7,8 @@
   0 `LLM(...)` returns as usual; on the others it serves steps until rank 0 shuts
   down and then exits the process (the program's code after `LLM(...)` runs on
   rank 0 only).
+- Ray (`distributed_executor_backend="ray"`): ranks 1..N-1 are Ray actors in one
+  placement group, on this node or across a cluster's (`ray_workers.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ def start_tensor_parallel(config: EngineConfig, backend) -> TPDriver | None:
     size = config.parallel.tensor_parallel_size
     if size == 1 or backend.capabilities.spmd:
         return None
+    if config.parallel.distributed_executor_backend == "ray":   # ranks 1..N-1 as Ray actors
+        from polyrunner.distributed.ray_workers import start_ray_workers
+        actors, ray_init_method, local_rank = start_ray_workers(config, backend.capabilities.ray_device_key)
+        try:
+            tp = join_tensor_parallel(config, backend, 0, local_rank, ray_init_method)
+        except BaseException:
+            actors.join()
+            raise
+        return TPDriver(tp, actors)
     config_dict = config.model_dump()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

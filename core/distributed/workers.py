@@ -142,13 +142,17 @@ class TPDriver:
         if self._stopped:
             return
         self._stopped = True
+        failed = True
         try:
             if self.workers.failure(0) is None:
                 self.tp.broadcast_bytes(encode_stop())
+                failed = False
         except Exception:   # noqa: BLE001 - a broken group: the workers exit on their own
             logger.debug("stop broadcast failed", exc_info=True)
+        # the workers' last step after "stop" is the barrier in `destroy`: meet them there
+        # before waiting for them to exit (the other order waits JOIN_TIMEOUT_S)
+        self.tp.destroy(synced=not failed)
         self.workers.join()
-        self.tp.destroy()
 
 
 class TPDriverRunner:

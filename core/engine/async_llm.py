@@ -26,6 +26,12 @@ Per-request timings (arrival, first token, each token, finish) are recorded as
 outputs arrive; stats listeners (the server's metrics) get one `StepStats` per
 report.
 
+Data parallelism (`data_parallel_size=N > 1`): the core is `DPCores`, N engine
+processes behind this one frontend (`dp_cores`: routing, aborts to the owning
+replica, engine calls to every replica); a replica's death fails its requests
+alone (a "failed" event each) and `degraded` turns True; `replica_states()` says
+what each replica holds. Stats carry the replica whose report they come from.
+
 Adapters (vLLM's `add_lora` / `remove_lora` / `list_loras`) are engine calls:
 each submits ("call", id, method, args) and awaits a future that the report
 thread resolves from the loop's ("reply", id, ok, result) event; an engine-side
@@ -48,6 +54,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from polyrunner import envs
+from polyrunner.engine.core_errors import EngineDeadError as EngineDeadError  # re-exported: its old home
+from polyrunner.engine.dp_cores import DPCores, ReplicaState
+from polyrunner.engine.engine_builder import engine_of
 from polyrunner.engine.engine_loop import Command, CoreCounts, Event, rebuild_error, sequences
 from polyrunner.engine.engine_process import EngineProcess
 from polyrunner.engine.engine_thread import EngineThread
@@ -65,10 +74,6 @@ if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays l
 logger = logging.getLogger(__name__)
 
 StreamItem: TypeAlias = RequestOutput | BaseException   # what a RequestStream's queue holds
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop died; no request can be served until it is restarted."""
 
 
 class EngineNotAcceptingError(RuntimeError):
@@ -113,6 +118,7 @@ class StepStats:
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
     finished: list[RequestTimings] = field(default_factory=list)
+    replica: int | None = None                # the data-parallel replica that reported (None: one core)
 
 
 StatsListener = Callable[[StepStats], None]
@@ -167,23 +173,29 @@ class AsyncLLM:
     `AsyncLLM(model=None, backend=None, engine_process=False, **kwargs)` takes
     `LLM`'s arguments; `engine_process=True` runs the engine in its own process
     (None: the `POLYRUNNER_ENGINE_PROCESS` environment variable, 1 or 0, default 0).
+    `data_parallel_size=N > 1` runs N engine processes (whatever `engine_process` says),
+    requests going to one by `routing` ("least_loaded" or "cache_aware": `dp_router`).
     `AsyncLLM.from_engine(engine)` wraps an existing `LLMEngine` in a thread (and
     then owns it).
     """
 
-    _core: EngineProcess | EngineThread
+    _core: EngineProcess | EngineThread | DPCores
 
     def __init__(self, model: str | None = None, backend: str | None = None, *,
-                 engine_process: bool | None = None, **llm_kwargs: Any) -> None:
+                 engine_process: bool | None = None, routing: str = "least_loaded", **llm_kwargs: Any) -> None:
         if engine_process is None:
             engine_process = envs.ENGINE_PROCESS.get()
         self._setup()
-        if engine_process:
+        replicas = int(llm_kwargs.get("data_parallel_size") or 1)
+        if replicas > 1:
+            self._core = DPCores({"model": model, "backend": backend, **llm_kwargs}, replicas, self._on_report,
+                                 self._die, engine_of, routing)
+        elif engine_process:
             self._core = EngineProcess({"model": model, "backend": backend, **llm_kwargs},
-                                       self._on_report, self._die)
+                                       self._on_report, self._die, engine_of)
         else:
-            from polyrunner.llm import LLM
-            self._core = EngineThread(LLM(model, backend, **llm_kwargs).engine, self._on_report, self._die)
+            self._core = EngineThread(engine_of({"model": model, "backend": backend, **llm_kwargs}), self._on_report,
+                                      self._die)
         self._counts = self._core.initial_counts
 
     @classmethod
@@ -223,7 +235,24 @@ class AsyncLLM:
 
     @property
     def engine_process(self) -> bool:
-        return isinstance(self._core, EngineProcess)
+        return isinstance(self._core, (EngineProcess, DPCores))
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._core.size if isinstance(self._core, DPCores) else 1
+
+    def replica_states(self) -> list[ReplicaState]:
+        """Each replica's state (one entry for a single core)."""
+        if isinstance(self._core, DPCores):
+            return self._core.states()
+        pid = self._core.process.pid if isinstance(self._core, EngineProcess) else None
+        return [ReplicaState(0, self.is_healthy, self._counts, self.num_waiting, pid,
+                             None if self._dead is None else str(self._dead))]
+
+    @property
+    def degraded(self) -> bool:
+        """Some data-parallel replica died while others still serve."""
+        return self.is_healthy and any(not r.alive for r in self.replica_states())
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -434,11 +463,11 @@ class AsyncLLM:
         await asyncio.to_thread(self.shutdown, timeout)
 
     # ---- reports from the core (its thread) ---------------------------------------------
-    def _on_report(self, events: list[Event], counts: CoreCounts) -> None:
+    def _on_report(self, events: list[Event], counts: CoreCounts, replica: int | None = None) -> None:
         now = time.monotonic()
         preempted = counts.num_preemptions - self._counts.num_preemptions
         self._counts = counts
-        stats = StepStats(counts.num_running, self.num_waiting, preempted)
+        stats = StepStats(counts.num_running, self.num_waiting, preempted, replica=replica)
         deliveries: list[tuple[RequestStream, StreamItem]] = []
         ended: list[RequestStream] = []
         for event in events:
@@ -464,9 +493,9 @@ class AsyncLLM:
                 continue
             t = stream.timings
             t.finished_time = now
-            if kind == "rejected":
+            if kind in ("rejected", "failed"):   # failed: its data-parallel replica died
                 t.finish_reason = "error"
-                deliveries.append((stream, rebuild_error(*event[2])))
+                deliveries.append((stream, rebuild_error(*event[2]) if kind == "rejected" else event[2]))
             else:
                 t.finish_reason = "abort"
                 stats.finished.append(t)

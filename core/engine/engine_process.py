@@ -29,15 +29,19 @@ import traceback
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrunner.engine.engine_loop import Command, CoreCounts, CoreInfo, EngineLoop, Event
 from polyrunner.engine.output_deltas import DeltaDecoder, DeltaEncoder
+
+if TYPE_CHECKING:
+    from polyrunner.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
 ReportFn = Callable[[list[Event], CoreCounts], None]
 DeadFn = Callable[[BaseException], None]
+MakeEngine = Callable[[dict[str, Any]], "LLMEngine"]
 STOP_TIMEOUT_S = 30.0
 
 
@@ -52,13 +56,19 @@ class EngineProcess:
     `EngineProcessError` with the child's error). `on_report` / `on_dead` run in
     a reader thread of this process."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], on_report: ReportFn, on_dead: DeadFn) -> None:
+    def __init__(self, llm_kwargs: dict[str, Any], on_report: ReportFn, on_dead: DeadFn,
+                 make_engine: MakeEngine, share: tuple[int, int] | None = None) -> None:
+        """`make_engine(llm_kwargs)` builds the engine in the child (`polyrunner.llm.engine_of`;
+        module level: it pickles by reference). `share=(replica, replicas)`: a data-parallel
+        replica, which takes its share of the host first (`replica_share.take_share`)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe(duplex=True)
         # not a daemon: a daemon may not start processes, and tensor-parallel workers are
         # the engine's children. At exit `_stop_at_exit` stops it (or it sees the pipe close).
-        self.process = ctx.Process(target=_child_main, name="polyrunner-engine",
-                                   args=(child_conn, llm_kwargs, logging.getLogger("polyrunner").getEffectiveLevel()))
+        name = "polyrunner-engine" if share is None else f"polyrunner-engine-dp{share[0]}"
+        self.process = ctx.Process(target=_child_main, name=name,
+                                   args=(child_conn, llm_kwargs, logging.getLogger("polyrunner").getEffectiveLevel(),
+                                         make_engine, share))
         self.process.start()
         child_conn.close()
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -186,14 +196,16 @@ class _PipeInbox:
         return items
 
 
-def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int) -> None:
+def _child_main(conn: Connection, llm_kwargs: dict[str, Any], log_level: int, make_engine: MakeEngine,
+                share: tuple[int, int] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the frontend decides when the engine stops
     from polyrunner.logging_setup import configure_logging
     configure_logging(log_level)   # the frontend's level for polyrunner's records
-    from polyrunner.llm import LLM  # the heavy imports happen in the child only
-
     try:
-        engine = LLM(**llm_kwargs).engine
+        if share is not None:
+            from polyrunner.engine.replica_share import take_share
+            take_share(llm_kwargs, *share)
+        engine = make_engine(llm_kwargs)   # the heavy imports happen in the child only
     except BaseException as exc:   # noqa: BLE001 - the frontend shows why
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

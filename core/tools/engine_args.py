@@ -85,6 +85,13 @@ ENGINE_ARGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "tensor_parallel_size": (("--tensor-parallel-size", "-tp"),
                              dict(type=int, default=default_of(ParallelConfig, "tensor_parallel_size"),
                              help="shard the model over this many devices (processes; several hosts: torchrun)")),
+    "data_parallel_size": (("--data-parallel-size", "-dp"),
+                           dict(type=int, default=default_of(ParallelConfig, "data_parallel_size"),
+                           help="engine replicas behind this server, each with its own tensor-parallel group; "
+                                "requests go to the least loaded")),
+    "distributed_executor_backend": (("--distributed-executor-backend",), dict(default=None, choices=["mp", "ray"],
+                                     help="how tensor-parallel workers start: mp (processes on this host; "
+                                          "default) or ray (Ray actors; pip install 'polyrunner[ray]')")),
     "speculative_config": (("--speculative-config",), dict(type=json.loads, default=None,
                            help='speculative decoding as JSON (vLLM\'s), e.g. '
                                 '\'{"method": "ngram", "num_speculative_tokens": 4}\'')),

@@ -117,6 +117,10 @@ def build_app(async_llm: AsyncLLM, *, served_model_names: list[str] | None = Non
         if not async_llm.is_healthy:
             reason = str(async_llm.dead_error or "the engine is not running")
             return json_response(P.RequestError(reason, status=503, type="server_error").response(), 503)
+        if async_llm.degraded:   # some data-parallel replica died; the others serve: 200 with what died
+            dead = [{"replica": r.index, "pid": r.pid, "error": r.error}
+                    for r in async_llm.replica_states() if not r.alive]
+            return json_response({"status": "degraded", "replicas": async_llm.data_parallel_size, "dead": dead}, 200)
         return Response(status_code=200)
 
     @app.get("/metrics")

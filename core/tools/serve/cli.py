@@ -57,6 +57,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process, so the HTTP server and the engine never share a "
                         "GIL (default); --no-engine-process runs it in a thread of the server")
+    p.add_argument("--data-parallel-routing", choices=["least_loaded", "cache_aware"], default="least_loaded",
+                   help="with --data-parallel-size > 1, which replica takes a request: the least loaded (waiting + "
+                        "running), or cache_aware: by a hash of the prompt's first block, so repeated prompts "
+                        "find their prefix cache, unless that replica is much busier")
     p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="map the KV cache's pages in the background after start-up, so no step pays a first-touch "
                         "page fault (default; host-memory backends)")
@@ -87,7 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else envs.API_KEY.get()
     log_level = getattr(args, "log_level", None) or "info"   # main() sets it from --log-level
     async_llm = AsyncLLM(**engine_kwargs(args), prefault_kv_cache=args.prefault_kv_cache,
-                         engine_process=args.engine_process, usage_context="OPENAI_API_SERVER")
+                         engine_process=args.engine_process, routing=args.data_parallel_routing,
+                         usage_context="OPENAI_API_SERVER")
     names = args.served_model_name or [default_model_name(args.model)]
     app = build_app(async_llm, served_model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_request_body_bytes or DEFAULT_MAX_BODY_BYTES,

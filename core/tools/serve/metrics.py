@@ -5,6 +5,12 @@ engine died; `engine_healthy` says which); counters and histograms are fed
 by the AsyncLLM's per-step stats (in its report thread; prometheus-client is
 thread-safe). Each app owns its `CollectorRegistry`, so several servers can
 live in one process.
+
+With data parallelism (`data_parallel_size` N > 1) every gauge, counter and
+histogram below also has a `replica` label: "0".."N-1" for each replica (a dead
+replica's gauges read 0, its `engine_healthy` 0) and "total" for all of them
+together (so sum over `replica!="total"` — or read "total"). One replica: no
+`replica` label, as before.
 """
 
 from __future__ import annotations
@@ -26,23 +32,38 @@ TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 class ServerMetrics:
     def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        reg, labels, name = self.registry, ["model_name"], model_name
+        self._dp = async_llm.data_parallel_size
+        reg, labels, name = self.registry, ["model_name"] + (["replica"] if self._dp > 1 else []), model_name
+        total = (name, "total") if self._dp > 1 else (name,)
 
-        def gauge(metric: str, doc: str, fn) -> None:
-            Gauge(metric, doc, labels, registry=reg).labels(name).set_function(fn)
+        def gauge(metric: str, doc: str, fn, replica_fn=None) -> None:
+            g = Gauge(metric, doc, labels, registry=reg)
+            g.labels(*total).set_function(fn)
+            for r in range(self._dp if self._dp > 1 else 0):
+                g.labels(name, str(r)).set_function(lambda r=r: replica_fn(async_llm.replica_states()[r]))
 
         # a dead engine runs nothing, queues nothing and holds no KV cache (its last counts are stale)
         gauge("polyrunner:num_requests_running", "Number of requests in the running batch.",
-              lambda: async_llm.num_running if async_llm.is_healthy else 0)
+              lambda: async_llm.num_running if async_llm.is_healthy else 0,
+              lambda r: r.num_running if r.alive else 0)
         gauge("polyrunner:num_requests_waiting", "Number of requests waiting to be scheduled.",
-              lambda: async_llm.num_waiting if async_llm.is_healthy else 0)
+              lambda: async_llm.num_waiting if async_llm.is_healthy else 0,
+              lambda r: r.num_waiting if r.alive else 0)
         gauge("polyrunner:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-              lambda: async_llm.kv_cache_usage if async_llm.is_healthy else 0.0)
+              lambda: async_llm.kv_cache_usage if async_llm.is_healthy else 0.0,
+              lambda r: r.counts.kv_cache_usage if r.alive else 0.0)
         gauge("polyrunner:engine_healthy", "1 while the engine loop runs, 0 once it died.",
-              lambda: 1.0 if async_llm.is_healthy else 0.0)
+              lambda: 1.0 if async_llm.is_healthy else 0.0, lambda r: 1.0 if r.alive else 0.0)
+
+        every = [total] + [(name, str(r)) for r in range(self._dp if self._dp > 1 else 0)]
+
+        def shown(metric):   # every series is there (at 0) before anything happened
+            for label_set in every:
+                metric.labels(*label_set)
+            return metric
 
         def counter(metric: str, doc: str):
-            return Counter(metric, doc, labels, registry=reg).labels(name)
+            return shown(Counter(metric, doc, labels, registry=reg))
 
         self.prompt_tokens = counter("polyrunner:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("polyrunner:generation_tokens", "Number of generation tokens processed.")
@@ -52,7 +73,7 @@ class ServerMetrics:
         self._name = name
 
         def histogram(metric: str, doc: str, buckets):
-            return Histogram(metric, doc, labels, buckets=buckets, registry=reg).labels(name)
+            return shown(Histogram(metric, doc, labels, buckets=buckets, registry=reg))
 
         reg.register(_SpecDecodeCollector(async_llm, name))
         self.ttft = histogram("polyrunner:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
@@ -65,26 +86,37 @@ class ServerMetrics:
                                                    "Number of generation tokens per finished request.",
                                                    TOKEN_BUCKETS)
 
+    def _label_sets(self, replica: int | None) -> list[tuple[str, ...]]:
+        """Where one step's stats count: the series of its replica and the total (one replica: the one series)."""
+        if self._dp == 1:
+            return [(self._name,)]
+        return [(self._name, "total")] + ([(self._name, str(replica))] if replica is not None else [])
+
     def on_step(self, stats: StepStats) -> None:
         """AsyncLLM stats listener (its report thread)."""
+        for labels in self._label_sets(stats.replica):
+            self._count(stats, labels)
+
+    def _count(self, stats: StepStats, labels: tuple[str, ...]) -> None:
         if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
+            self.generation_tokens.labels(*labels).inc(stats.num_generation_tokens)
         if stats.num_preemptions:
-            self.preemptions.inc(stats.num_preemptions)
+            self.preemptions.labels(*labels).inc(stats.num_preemptions)
+        ttft, itl = self.ttft.labels(*labels), self.itl.labels(*labels)
         for v in stats.time_to_first_token:
-            self.ttft.observe(v)
+            ttft.observe(v)
         for v in stats.inter_token_latency:
-            self.itl.observe(v)
+            itl.observe(v)
         for t in stats.finished:
-            self._success.labels(self._name, t.finish_reason or "unknown").inc()
+            self._success.labels(*labels, t.finish_reason or "unknown").inc()
             if t.finish_reason == "abort":   # latencies and sizes of completed requests only
                 continue
             if t.e2e_latency is not None:
-                self.e2e.observe(t.e2e_latency)
-            self.request_prompt_tokens.observe(t.num_prompt_tokens)
-            self.request_generation_tokens.observe(t.num_generation_tokens)
+                self.e2e.labels(*labels).observe(t.e2e_latency)
+            self.request_prompt_tokens.labels(*labels).observe(t.num_prompt_tokens)
+            self.request_generation_tokens.labels(*labels).observe(t.num_generation_tokens)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
