@@ -48,10 +48,8 @@ import pickle
 import threading
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from polyrunner import envs
 from polyrunner.engine.core_errors import EngineDeadError as EngineDeadError  # re-exported: its old home
@@ -60,6 +58,9 @@ from polyrunner.engine.engine_builder import engine_of
 from polyrunner.engine.engine_loop import Command, CoreCounts, Event, rebuild_error, sequences
 from polyrunner.engine.engine_process import EngineProcess
 from polyrunner.engine.engine_thread import EngineThread
+from polyrunner.engine.request_stats import RequestTimings as RequestTimings  # re-exported: its old home
+from polyrunner.engine.request_stats import StatsListener, StepStats
+from polyrunner.engine.request_stream import RequestStream, StreamItem, deliver
 from polyrunner.outputs import CompletionOutput, RequestOutput
 from polyrunner.prompt import Prompt
 from polyrunner.sampling_params import SamplingParams
@@ -73,98 +74,9 @@ if TYPE_CHECKING:   # not at run time: the frontend of an engine process stays l
 
 logger = logging.getLogger(__name__)
 
-StreamItem: TypeAlias = RequestOutput | BaseException   # what a RequestStream's queue holds
-
 
 class EngineNotAcceptingError(RuntimeError):
     """The engine is shutting down (or shut down) and takes no new requests."""
-
-
-@dataclass
-class RequestTimings:
-    """When things happened to one request (time.monotonic seconds)."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)   # one entry per step that produced tokens
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def inter_token_latencies(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-
-@dataclass
-class StepStats:
-    """What one engine step did, for metrics (built in the engine thread)."""
-
-    num_running: int
-    num_waiting: int
-    num_preemptions: int                      # preemptions in this step
-    num_prompt_tokens: int = 0                # prompts of requests that got their first token
-    num_generation_tokens: int = 0
-    time_to_first_token: list[float] = field(default_factory=list)
-    inter_token_latency: list[float] = field(default_factory=list)
-    finished: list[RequestTimings] = field(default_factory=list)
-    replica: int | None = None                # the data-parallel replica that reported (None: one core)
-
-
-StatsListener = Callable[[StepStats], None]
-
-class RequestStream:
-    """One request's outputs, from the engine thread to one asyncio loop."""
-
-    def __init__(self, request_id: str, prompt: Prompt, loop: asyncio.AbstractEventLoop,
-                 lora_request: LoRARequest | None = None) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.loop = loop
-        self.lora_request = lora_request   # set on every output (an engine process's deltas leave it out)
-        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self.timings = RequestTimings(time.monotonic())
-        self.last: RequestOutput | None = None     # engine thread only
-        self.done = False                           # consumer side: the final item was read
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        items = [await self.queue.get()]
-        while not self.queue.empty():   # outputs are cumulative: only the newest matters
-            items.append(self.queue.get_nowait())
-        outs = [i for i in items if isinstance(i, RequestOutput)]
-        error = next((i for i in items if isinstance(i, BaseException)), None)
-        if outs:
-            out = outs[-1]
-            if out.finished:
-                self.done = True
-            elif error is not None:   # deliver what came before the error, then the error
-                self.queue.put_nowait(error)
-            return out
-        self.done = True
-        if error is not None:
-            raise error
-        raise StopAsyncIteration
-
-    def fail(self, error: BaseException) -> None:
-        """End the stream with `error` (call on its loop): the consumer reads what came
-        before, then `error`. The engine request is not aborted: see `AsyncLLM.abort`."""
-        if not self.done:
-            self.queue.put_nowait(error)
 
 
 class AsyncLLM:
@@ -455,7 +367,7 @@ class AsyncLLM:
         with self._cv:   # a core that died before it could report its aborts
             streams, self._streams = list(self._streams.values()), {}
             self._cv.notify_all()
-        _deliver([(s, self._aborted_output(s)) for s in streams])
+        deliver([(s, self._aborted_output(s)) for s in streams])
         self._fail_calls(EngineNotAcceptingError("the engine shut down before it answered"))
 
     async def shutdown_async(self, timeout: float | None = 0.0) -> None:
@@ -507,7 +419,7 @@ class AsyncLLM:
                     self._streams.pop(stream.request_id, None)
                 self._cv.notify_all()
         self._notify(stats)   # before delivery: a caller that got its output sees it counted
-        _deliver(deliveries)
+        deliver(deliveries)
 
     def _reply(self, event: Event) -> None:
         _, call_id, ok, payload = event
@@ -570,7 +482,7 @@ class AsyncLLM:
             self._streams.clear()
             self._outbox.clear()
             self._cv.notify_all()
-        _deliver([(s, error) for s in streams])
+        deliver([(s, error) for s in streams])
         self._fail_calls(error)
 
 
@@ -596,20 +508,3 @@ def _resolve_soon(future: asyncio.Future[Any], result: Any) -> None:
         future.get_loop().call_soon_threadsafe(settle)
     except RuntimeError:   # that loop is closed: nobody is waiting any more
         pass
-
-
-def _deliver(items: list[tuple[RequestStream, StreamItem]]) -> None:
-    """Hand items to their streams' loops: one thread-safe call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]] = defaultdict(list)
-    for stream, item in items:
-        by_loop[stream.loop].append((stream.queue, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:   # that loop is closed: nobody is listening any more
-            pass
-
-
-def _put_all(batch: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)

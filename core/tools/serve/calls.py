@@ -17,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from polyrunner.engine.async_llm import AsyncLLM, EngineDeadError
+from polyrunner.engine.request_stream import RequestStream
 from polyrunner.outputs import RequestOutput
 from polyrunner.sampling_params import SamplingParams
 from polyrunner.tools.serve import protocol as P

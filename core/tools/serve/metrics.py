@@ -18,7 +18,8 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from polyrunner.engine.async_llm import AsyncLLM, StepStats
+from polyrunner.engine.async_llm import AsyncLLM
+from polyrunner.engine.request_stats import StepStats
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
