@@ -10,7 +10,6 @@ POLYRUNNER_TEST_NO_RAY=1 says it is absent on purpose."""
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -21,10 +20,8 @@ if os.environ.get("POLYRUNNER_TEST_NO_RAY") == "1":
 import ray  # noqa: E402
 
 from hf_oracle import hf_greedy  # noqa: E402
-from polyrunner import SamplingParams  # noqa: E402
 from polyrunner.distributed.ray_workers import RayWorkers, actor_resources, bundles, local_ranks  # noqa: E402
-from polyrunner.distributed.workers import TensorParallelError  # noqa: E402
-from test_tensor_parallel import GREEDY, PROMPTS, _llm, _run  # noqa: E402
+from test_tensor_parallel import GREEDY, PROMPTS, _llm, _run, kill_during_generate  # noqa: E402
 
 RAY_DAEMONS = ("raylet", "gcs_server")
 
@@ -104,19 +101,8 @@ def test_a_killed_actor_fails_the_call_naming_its_rank_and_node(cluster, tiny_mo
     workers = llm.engine.tp_driver.workers
     assert isinstance(workers, RayWorkers) and set(workers.runs) == {1}
     actor = workers.actors[1]
-    timer = threading.Timer(1.0, ray.kill, (actor,))
-    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    t0 = time.monotonic()
-    timer.start()
-    try:
-        with pytest.raises(TensorParallelError, match=r"rank 1 \(Ray actor [0-9a-f]+ on node \S+ \([0-9a-f]+\)\) "
-                                                      r"ActorDiedError"):
-            for _ in range(200):   # until the kill lands
-                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], long, use_tqdm=False)
-        assert time.monotonic() - t0 < 30
-    finally:
-        timer.cancel()
-        llm.shutdown()
+    kill_during_generate(llm, lambda: ray.kill(actor),
+                         r"rank 1 \(Ray actor [0-9a-f]+ on node \S+ \([0-9a-f]+\)\) ActorDiedError")
     assert ray.is_initialized()   # attached, not started: left running
     groups = ray.util.placement_group_table().values()
     assert groups and {g["state"] for g in groups} == {"REMOVED"}   # every engine's group was removed

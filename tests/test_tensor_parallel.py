@@ -142,19 +142,25 @@ def test_a_killed_worker_fails_the_call_naming_its_rank(tiny_model_factory):
     folder = tiny_model_factory("llama")[0]
     llm = _llm(folder, 2)
     worker = llm.engine.tp_driver.workers.processes[1]
-    timer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+    kill_during_generate(llm, lambda: os.kill(worker.pid, signal.SIGKILL), r"rank 1 died \(exit code -9\)")
+    assert not worker.is_alive() and not children()
+
+
+def kill_during_generate(llm: LLM, kill, match: str) -> None:
+    """Run long generates on `llm` while `kill()` fires after 1 s: the call fails within
+    30 s with a TensorParallelError matching `match`; `llm` is shut down either way."""
+    timer = threading.Timer(1.0, kill)
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     t0 = time.monotonic()
     timer.start()
     try:
-        with pytest.raises(TensorParallelError, match=r"rank 1 died \(exit code -9\)"):
+        with pytest.raises(TensorParallelError, match=match):
             for _ in range(200):   # until the kill lands
                 llm.generate([{"prompt_token_ids": p} for p in PROMPTS], long, use_tqdm=False)
         assert time.monotonic() - t0 < 30
     finally:
         timer.cancel()
         llm.shutdown()
-    assert not worker.is_alive() and not children()
 
 
 def test_torchrun_style_ranks_over_loopback(tiny_model_factory, reference):
