@@ -1,5 +1,6 @@
 """host_memory.py: the KV cache's pages are mapped in the background without
-changing what the engine wrote, and freed temporaries stop faulting."""
+changing what the engine wrote, on huge pages where the kernel has them, and freed
+temporaries stop faulting."""
 
 from __future__ import annotations
 
@@ -79,6 +80,54 @@ def test_prefault_skips_tensors_freed_meanwhile():
     refs_only.join(timeout=60)
     assert not refs_only.is_alive()
     assert host_memory.prefault_in_background([]) is None
+
+
+def thp_mode() -> str | None:
+    """The bracketed transparent-huge-page mode ("always", "madvise", "never"), None without THP."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def huge_page_advised(t: torch.Tensor) -> bool:
+    """Whether the mapping that holds `t`'s 2 MiB-aligned interior carries MADV_HUGEPAGE ("hg")."""
+    addr = host_memory.round_up(t.data_ptr(), host_memory.HUGE_PAGE)
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    raise AssertionError("no mapping holds the tensor")
+
+
+@linux
+def test_huge_pages_are_advised_where_the_kernel_has_them():
+    big = torch.empty(16 << 20, dtype=torch.uint8)      # its own fresh mapping (glibc mmaps large blocks)
+    small = torch.empty(1 << 20, dtype=torch.uint8)     # no whole 2 MiB page inside
+    if thp_mode() is None:
+        assert not host_memory.advise_huge_pages(big)
+        return
+    assert host_memory.advise_huge_pages(big) and huge_page_advised(big)
+    assert not host_memory.advise_huge_pages(small)
+
+
+@linux
+def test_cpu_backend_asks_for_huge_pages_in_its_kv_cache():
+    if thp_mode() is None:
+        pytest.skip("this kernel has no transparent huge pages")
+    from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.config import CacheConfig, EngineConfig, ModelConfig
+    from polyrunner.device.kv_spec import KVCacheSpec
+    backend = CPUBackend(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, block_size=16, dtype=torch.bfloat16)
+    caches = backend.allocate_kv_cache(spec, num_blocks=1024)     # 8 MiB per layer
+    assert all(huge_page_advised(c) for c in caches)
+    assert all(bool((c[:, 0] == 0).all()) for c in caches)        # the null block still zeroed
 
 
 @linux

@@ -3,7 +3,7 @@
 A step that touches memory the process has never touched, or has handed back to
 the kernel, pays a page fault per 4 KiB page: cheap on bare metal, tens of times
 dearer on a VM whose memory the host backs lazily (figures: benchmarks/results/design-measurements.md).
-Two sources, one remedy each:
+Three concerns, one remedy each:
 
 - The KV cache. It is allocated untouched (zeroing 4 GiB up front would cost
   seconds of start-up), and with prefix caching the block pool hands out every block
@@ -19,6 +19,11 @@ Two sources, one remedy each:
   the pages without writing their contents, so the engine may use the cache
   meanwhile. The thread only runs on CPU time nothing else wants (SCHED_IDLE).
   The pool also reuses freed blocks before it touches new ones (`block_pool.py`).
+- TLB misses in the KV cache. A decode step reads every request's blocks, which a long-running
+  server's pool scatters over a cache of gigabytes: on 4 KiB pages most blocks cost a TLB miss
+  and a page walk (figures: design-measurements.md, `benchmarks/kv_huge_pages.py`).
+  `advise_huge_pages` asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`) before the
+  cache is touched; where THP is "never" it changes nothing, where "always" nothing needed it.
 - Freed activations. glibc hands freed blocks above its trim threshold back to
   the kernel, and serves large blocks from fresh mappings, so a 12 MiB
   temporary (the float32 logits of 64 rows) faults in every step. `keep_freed_memory`
@@ -43,7 +48,9 @@ from polyrunner.plugin_api import round_up
 
 logger = logging.getLogger(__name__)
 
+MADV_HUGEPAGE = 14                # linux/mman.h (2.6.38+)
 MADV_POPULATE_WRITE = 23          # linux/mman.h (5.14+)
+HUGE_PAGE = 2 << 20               # x86-64 and arm64 transparent huge pages
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3   # malloc.h
 MMAP_THRESHOLD_MAX = 32 << 20     # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 TRIM_THRESHOLD = 1 << 30
@@ -68,6 +75,18 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask for transparent huge pages on the 2 MiB-aligned interior of `tensor`'s memory
+    (host memory not yet touched: pages faulted in before stay small). True when the
+    kernel took the advice, False where it cannot (not Linux, THP not built, too small)."""
+    libc = _libc()
+    start = tensor.data_ptr()
+    begin, end = round_up(start, HUGE_PAGE), (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if libc is None or end <= begin:
+        return False
+    return libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), MADV_HUGEPAGE) == 0
 
 
 def prefault_in_background(tensors: list[torch.Tensor], parts: int = 1) -> threading.Thread | None:

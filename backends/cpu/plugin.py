@@ -11,7 +11,7 @@ import torch
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.attention import cpu_paged_attention
 from polyrunner.backends.cpu.executor import CPUExecutor
-from polyrunner.backends.cpu.host_memory import prefault_in_background
+from polyrunner.backends.cpu.host_memory import advise_huge_pages, prefault_in_background
 from polyrunner.backends.cpu.op_overrides import cpu_op_overrides
 from polyrunner.backends.cpu.quant_linear import quantize_model
 from polyrunner.backends.cpu.threads import physical_cpus, rank_cpus
@@ -145,10 +145,12 @@ class CPUBackend(Backend):
 
     def allocate_kv_cache(self, spec, num_blocks):
         """Uninitialised host memory (every slot is written before it is read),
-        except the null block, which padded requests may read. With
-        `prefault_kv_cache` a background thread maps its pages (`host_memory`)."""
+        except the null block, which padded requests may read; on transparent huge
+        pages where the kernel allows. With `prefault_kv_cache` a background thread
+        maps its pages (`host_memory`)."""
         caches = [torch.empty(spec.layer_shape(num_blocks), dtype=spec.dtype) for _ in range(spec.num_layers)]
         for cache in caches:
+            advise_huge_pages(cache)
             cache[:, NULL_BLOCK].zero_()
         if self.config.cache.prefault_kv_cache:
             prefault_in_background(caches, parts=2)   # K and V halves, in block order
