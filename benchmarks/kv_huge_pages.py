@@ -71,7 +71,7 @@ def main() -> None:
             t = step(layers)
             if rep:
                 best[name] = min(best[name], t)
-    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    mode = host_memory.thp_mode() or "not in this kernel"
     print(format_host(host_info()))
     print(f"transparent huge pages: {mode}; {R} requests, mean context {float(lens.float().mean()):.0f} keys, "
           f"{LAYERS} layers, cache {args.cache_gib} GiB ({num_blocks} blocks per layer)")

@@ -82,15 +82,6 @@ def test_prefault_skips_tensors_freed_meanwhile():
     assert host_memory.prefault_in_background([]) is None
 
 
-def thp_mode() -> str | None:
-    """The bracketed transparent-huge-page mode ("always", "madvise", "never"), None without THP."""
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
 def huge_page_advised(t: torch.Tensor) -> bool:
     """Whether the mapping that holds `t`'s 2 MiB-aligned interior carries MADV_HUGEPAGE ("hg")."""
     addr = host_memory.round_up(t.data_ptr(), host_memory.HUGE_PAGE)
@@ -107,9 +98,9 @@ def huge_page_advised(t: torch.Tensor) -> bool:
 
 @linux
 def test_huge_pages_are_advised_where_the_kernel_has_them():
-    big = torch.empty(16 << 20, dtype=torch.uint8)      # its own fresh mapping (glibc mmaps large blocks)
+    big = torch.empty(64 << 20, dtype=torch.uint8)   # a fresh mapping (above keep_freed_memory's mmap threshold)
     small = torch.empty(1 << 20, dtype=torch.uint8)     # no whole 2 MiB page inside
-    if thp_mode() is None:
+    if host_memory.thp_mode() is None:
         assert not host_memory.advise_huge_pages(big)
         return
     assert host_memory.advise_huge_pages(big) and huge_page_advised(big)
@@ -118,7 +109,7 @@ def test_huge_pages_are_advised_where_the_kernel_has_them():
 
 @linux
 def test_cpu_backend_asks_for_huge_pages_in_its_kv_cache():
-    if thp_mode() is None:
+    if host_memory.thp_mode() is None:
         pytest.skip("this kernel has no transparent huge pages")
     from polyrunner.backends.cpu.plugin import CPUBackend
     from polyrunner.config import CacheConfig, EngineConfig, ModelConfig

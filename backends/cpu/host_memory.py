@@ -77,6 +77,16 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"), None without THP."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask for transparent huge pages on the 2 MiB-aligned interior of `tensor`'s memory
     (host memory not yet touched: pages faulted in before stay small). True when the
