@@ -78,6 +78,14 @@ def cpu_kernels(request):
         yield active
 
 
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
+def pool_threads(request, cpu_kernels):
+    """The library's thread pool started with that many threads (1: the caller alone)."""
+    assert cpu_kernels.pr_pool_start(request.param, None, 0, 200) == request.param - 1
+    yield request.param
+    cpu_kernels.pr_pool_start(1, None, 0, 200)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     return model_cache(tmp_path_factory, build_tiny_model)

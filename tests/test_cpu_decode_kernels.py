@@ -16,14 +16,6 @@ from polyrunner.backends.cpu import kernels
 from tolerances import assert_close_ulp, assert_detects_errors, assert_linear_close, attention_reference
 
 
-@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
-def pool_threads(request, cpu_kernels):
-    """The library's thread pool started with that many threads (1: the caller alone)."""
-    assert cpu_kernels.pr_pool_start(request.param, None, 0, 200) == request.param - 1
-    yield request.param
-    cpu_kernels.pr_pool_start(1, None, 0, 200)
-
-
 # ---- AVX512_BF16 small-M linear ---------------------------------------------------
 def _dpbf16(lib):
     if lib.pr_dpbf16_available() != 1:

@@ -140,6 +140,44 @@ def test_cpu_backend_prefaults_its_kv_cache_when_asked(monkeypatch, prefault):
         assert started == []
 
 
+@linux
+def test_cpu_backend_waits_for_its_kv_prefault():
+    """`wait_kv_cache_mapped` joins the background prefault of the cache it allocated (every page
+    resident afterwards), and answers at once where nothing maps in the background."""
+    if not populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    from polyrunner.backends.cpu.plugin import CPUBackend
+    from polyrunner.config import CacheConfig, EngineConfig, ModelConfig
+    from polyrunner.device.kv_spec import KVCacheSpec
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_size=64, block_size=16, dtype=torch.bfloat16)
+    lazy = CPUBackend(EngineConfig(model=ModelConfig(), cache=CacheConfig()))
+    lazy.allocate_kv_cache(spec, num_blocks=1024)
+    assert lazy.wait_kv_cache_mapped(0.0)
+    backend = CPUBackend(EngineConfig(model=ModelConfig(), cache=CacheConfig(prefault_kv_cache=True)))
+    caches = backend.allocate_kv_cache(spec, num_blocks=1024)     # 8 MiB per layer
+    thread = backend._kv_prefault
+    assert thread is not None and thread.name == "polyrunner-kv-prefault"
+    assert backend.wait_kv_cache_mapped(60.0) and not thread.is_alive()
+    assert all(resident_fraction(c) == 1.0 for c in caches)
+
+
+def test_benchmark_runs_start_with_the_kv_cache_mapped(monkeypatch):
+    """`polyrunner bench`'s timed runs: the engine asked to prefault, and waited for."""
+    from types import SimpleNamespace
+
+    from polyrunner.tools.bench import run
+    made, waited = [], []
+    backend = SimpleNamespace(wait_kv_cache_mapped=lambda timeout: waited.append(timeout) or True)
+    llm = SimpleNamespace(engine=SimpleNamespace(runner=SimpleNamespace(backend=backend)))
+    monkeypatch.setattr(run, "make_llm", lambda model, eager, **options: made.append(options) or llm)
+    monkeypatch.setattr(run, "run_workload", lambda llm, w, repeats: (waited and w.name))
+    assert run.run_all_workloads(["w3"], 1, dtype="bfloat16") == ["w3"]
+    assert made == [{"prefault_kv_cache": True, "dtype": "bfloat16"}] and len(waited) == 1
+    backend.wait_kv_cache_mapped = lambda timeout: False
+    with pytest.raises(RuntimeError, match="not mapped"):
+        run.map_kv_cache(llm, 0.1)
+
+
 def test_serve_prefaults_and_the_library_does_not():
     import inspect
 

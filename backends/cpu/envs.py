@@ -27,6 +27,10 @@ PREFILL_KERNEL = declare("POLYRUNNER_CPU_PREFILL_KERNEL", bool, True,
 PREFILL_ATTENTION = declare("POLYRUNNER_CPU_PREFILL_ATTENTION", str, "auto",
                             "bfloat16 prefill attention kernel; auto: the faster here (AMX tiles or AVX512_BF16), "
                             "timed once per machine and head shape", choices=("auto", "amx", "dpbf16"), section=_S)
+DECODE_PREFETCH = declare("POLYRUNNER_CPU_DECODE_PREFETCH", str, "auto",
+                          "where the bfloat16 decode attention prefetches the next KV block; auto: the faster "
+                          "here (l1 or l2), timed once per machine and head shape", choices=("auto", "l1", "l2"),
+                          section=_S)
 AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
               "0: no AMX linear kernel (a stand-in for CPUs without AMX)", section=_S)
 DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,

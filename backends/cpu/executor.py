@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from polyrunner.backends.cpu import envs, kernel_table, kernels, threads
+from polyrunner.backends.cpu import decode_prefetch, envs, kernel_table, kernels, threads
 from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
 from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
@@ -46,6 +46,7 @@ from polyrunner.plugin_api import (
     BucketPolicy,
     GraphAPI,
     GraphBucketPolicy,
+    LayerSpec,
     ModelInputs,
     Sampler,
     SamplerOutput,
@@ -156,6 +157,7 @@ class CPUExecutor(StaticGraphExecutor):
         small = envs.SMALL_STEP_THREADS.get()
         self.small_threads = max(1, min(self.threads, small)) if small is not None else None
         self._current_threads = None
+        self.block_size = config.cache.block_size
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         self.packed_logits: nn.Module | None = quantized_lm_head(model)  # GGUF blocks, when quantized
         if packing_supported(dtype):
@@ -177,14 +179,20 @@ class CPUExecutor(StaticGraphExecutor):
         self.graph_rows = min(forward_rows, config.scheduler.max_num_seqs) if graphs else 0   # the forward only
 
     def prepare(self, run_dummy, buckets: BucketPolicy) -> None:
-        """Capture a graph per token bucket up to `graph_rows` (none when 0), whatever
-        the backend's (or a subclass's) policy pads to: a step of another size runs eagerly."""
+        """Choose where the decode attention prefetches (`decode_prefetch.py`; before any capture, as
+        its timing calls the kernel), then capture a graph per token bucket up to `graph_rows` (none
+        when 0), whatever the backend's (or a subclass's) policy pads to: a step of another size runs
+        eagerly."""
+        spec = next((m.spec for m in self.model.modules() if isinstance(getattr(m, "spec", None), LayerSpec)), None)
+        if spec is not None and kernels.paged_attention_kernel() is not None:
+            self.kernel_tables.append(decode_prefetch.choose(spec, self.block_size, self.threads))
         sizes = [b for b in buckets.token_buckets if b <= self.graph_rows]
         if sizes:
             super().prepare(run_dummy, GraphBucketPolicy(sizes, sizes))
 
     def kernel_report(self) -> str | None:
-        """The bfloat16 linears' kernel per weight shape and row count, with the times behind it."""
+        """The bfloat16 linears' kernel per weight shape and row count, with the times behind it, and where
+        the decode attention prefetches."""
         return "\n".join(self.kernel_tables) or None
 
     # ---- threads ---------------------------------------------------------------

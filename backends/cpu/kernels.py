@@ -183,6 +183,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                    ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float]
     lib.pr_simd_bf16.restype = ctypes.c_int
+    lib.pr_set_decode_prefetch.restype = ctypes.c_int
+    lib.pr_set_decode_prefetch.argtypes = [ctypes.c_int]
     lib.pr_softcap_scores.restype = ctypes.c_int
     lib.pr_softcap_scores.argtypes = [ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
     lib.pr_rms_norm_bf16.restype = None
@@ -445,6 +447,13 @@ def set_pool_threads(threads: int) -> int:
     calls (clamped to the pool's size); the rest sleep. Returns the number set."""
     lib = paged_attention_kernel()
     return 1 if lib is None else lib.pr_pool_set_active(threads)
+
+
+def set_decode_prefetch(l2: bool) -> bool:
+    """Where the bfloat16 decode attention prefetches the next KV block (`decode_prefetch.py`):
+    into L2 (True) or L1 (False); returns the previous setting."""
+    lib = paged_attention_kernel()
+    return False if lib is None else bool(lib.pr_set_decode_prefetch(int(l2)))
 
 
 def set_pool_spin(spin_us: int) -> None:

@@ -19,6 +19,7 @@
 // tokens outside [qsl[r_begin], qsl[r_end]) are not touched.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +58,11 @@ inline void st(uint16_t* p, float f) {  // float -> bfloat16, round to nearest e
 }
 
 constexpr int64_t QT = 16;  // queries per tile
+
+// Where NextBlock prefetches: 0 into L1 (`prefetcht0`), 1 into L2 (`prefetcht1`; on Zen 4 the
+// decode of 64 requests ran ~1.5x faster so, design-measurements.md). Chosen by timing both on the
+// machine (`decode_prefetch.py`), set with pr_set_decode_prefetch; read once per block.
+std::atomic<int> g_prefetch_l2{0};
 
 // exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into
 // 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative error ~1e-8).
@@ -395,6 +401,7 @@ constexpr float RESCALE = 8.f;
 struct NextBlock {
   const char *k = nullptr, *v = nullptr;
   int64_t stride = 0, lines_per_row = 1, left = 0, line = 0, per_call = 0;
+  bool l2 = false;
   // rows [0, rows) of `span` bytes `stride` bytes apart at k_rows / v_rows, over `calls` calls of fetch()
   void start(const void* k_rows, const void* v_rows, int64_t stride_bytes, int64_t span, int64_t rows,
              int64_t calls) {
@@ -405,11 +412,17 @@ struct NextBlock {
     left = rows * lines_per_row;
     line = 0;
     per_call = (left + std::max<int64_t>(calls, 1) - 1) / std::max<int64_t>(calls, 1);
+    l2 = g_prefetch_l2.load(std::memory_order_relaxed) != 0;
   }
   inline void fetch() {
     for (int64_t n = std::min(left, per_call); n > 0; --n, --left) {
-      __builtin_prefetch(k + 64 * line);
-      __builtin_prefetch(v + 64 * line);
+      if (l2) {
+        __builtin_prefetch(k + 64 * line, 0, 2);
+        __builtin_prefetch(v + 64 * line, 0, 2);
+      } else {
+        __builtin_prefetch(k + 64 * line);
+        __builtin_prefetch(v + 64 * line);
+      }
       if (++line == lines_per_row) {
         line = 0;
         k += stride;
@@ -681,6 +694,10 @@ int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, 
 }
 
 int pr_abi_version() { return 1; }
+
+// Where the bfloat16 decode prefetches the next block: 0 L1, 1 L2 (see g_prefetch_l2); returns the
+// previous setting.
+int pr_set_decode_prefetch(int l2) { return g_prefetch_l2.exchange(l2 ? 1 : 0); }
 
 // out[j] = cap * tanh(s[j] / cap) for n floats by the kernels' soft cap: `simd` 1 the AVX-512
 // softcap16 (returns 1 when this build has no AVX-512F code), 0 the portable loop. For tests.

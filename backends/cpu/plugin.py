@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import threading
 
 import torch
 
@@ -93,6 +94,7 @@ class CPUBackend(Backend):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._affinity: set[int] | None = None   # the process's CPUs before `init_rank`, for `leave_rank`
+        self._kv_prefault: threading.Thread | None = None   # the KV cache's background prefault, if any
 
     @classmethod
     def probe(cls) -> Availability:
@@ -153,8 +155,16 @@ class CPUBackend(Backend):
             advise_huge_pages(cache)
             cache[:, NULL_BLOCK].zero_()
         if self.config.cache.prefault_kv_cache:
-            prefault_in_background(caches, parts=2)   # K and V halves, in block order
+            self._kv_prefault = prefault_in_background(caches, parts=2)   # K and V halves, in block order
         return caches
+
+    def wait_kv_cache_mapped(self, timeout=None):
+        """Joins the background prefault of the last cache allocated (if any)."""
+        thread = self._kv_prefault
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def to_device(self, array):
         return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array

@@ -376,6 +376,13 @@ class Backend:
         return [torch.zeros(spec.layer_shape(num_blocks), dtype=spec.dtype, device=self.device)
                 for _ in range(spec.num_layers)]
 
+    def wait_kv_cache_mapped(self, timeout: float | None = None) -> bool:
+        """OPTIONAL; for callers that time steps (benchmarks). Block, at most `timeout`
+        seconds, until a KV cache that the backend maps in the background
+        (`CacheConfig.prefault_kv_cache`) is fully mapped; True when it is (the default:
+        nothing is mapped in the background)."""
+        return True
+
     # ---- attention ------------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import subprocess
@@ -11,6 +12,8 @@ import time
 from typing import Any
 
 from polyrunner.tools.bench.workloads import Workload, make_workload
+
+logger = logging.getLogger(__name__)
 
 ENGINE_OPTIONS = dict(enable_prefix_caching=False, max_num_seqs=64,
                       max_num_batched_tokens=2048, seed=0)
@@ -118,9 +121,24 @@ def cold_start(repeats: int = 3) -> dict[str, Any]:
 
 def run_all_workloads(names: list[str], repeats: int, model: str | None = None,
                       enforce_eager: bool = False, **options) -> list[dict[str, Any]]:
-    """`options`: more `LLM` arguments (e.g. dtype="bfloat16": a GGUF model dequantised)."""
-    llm = make_llm(model, enforce_eager, **options)
+    """`options`: more `LLM` arguments (e.g. dtype="bfloat16": a GGUF model dequantised).
+    The timed runs start with the KV cache mapped (`map_kv_cache`)."""
+    llm = make_llm(model, enforce_eager, **{"prefault_kv_cache": True, **options})
+    map_kv_cache(llm)
     return [run_workload(llm, make_workload(n), repeats) for n in names]
+
+
+def map_kv_cache(llm, timeout_s: float = 300.0) -> None:
+    """Wait until the engine's KV cache is mapped (`prefault_kv_cache`), so that no timed run pays
+    first-touch page faults: vLLM zero-fills its cache at start-up (`torch.zeros`), and a first
+    touch costs ~2 s per GiB on this project's VMs, whose memory the host backs lazily (a
+    mid-size W1 run touches ~0.6 GiB of cache; benchmarks/results/design-measurements.md).
+    Cold start (`cold_start`) maps nothing up front, as `LLM()` by default does not."""
+    backend = getattr(llm.engine.runner, "backend", None)
+    start = time.perf_counter()
+    if backend is not None and not backend.wait_kv_cache_mapped(timeout_s):
+        raise RuntimeError(f"the KV cache was not mapped after {timeout_s:.0f} s")
+    logger.info("KV cache mapped before the timed runs (waited %.1f s)", time.perf_counter() - start)
 
 
 def kernel_report(model: str | None = None, enforce_eager: bool = False, **options) -> str:
