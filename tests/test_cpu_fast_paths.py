@@ -263,7 +263,8 @@ def executor_config():
     from types import SimpleNamespace
     return SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=8),
                            runner=SimpleNamespace(enforce_eager=True, token_buckets=None),
-                           parallel=SimpleNamespace(tensor_parallel_size=1))
+                           parallel=SimpleNamespace(tensor_parallel_size=1),
+                           cache=SimpleNamespace(block_size=16))
 
 
 def _tiny_model(folder, attn_op, dtype):
