@@ -18,6 +18,8 @@ paths the CPU lacks are skipped with the reason.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,51 @@ def test_quant_linear_module_decode_and_prefill_paths(qtype):
     assert mod(xb).dtype == torch.bfloat16
     assert ql.QuantLinear("Q8_0", torch.from_numpy(random_blocks(rng, "Q8_0", N, K)), (N, K),
                           out_dtype=torch.float32)(xb[:2]).dtype == torch.float32
+
+
+def quantize_rows(lib, simd: bool, x: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """`pr_quant_quantize_row` on each row of x: (q, d, d * sum(q), sum(q)) per block of 32."""
+    fn = lib.pr_quant_quantize_row
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64] + [ctypes.c_void_p] * 4
+    M, K = x.shape
+    q, d, s, n = (np.zeros((M, K), np.int8), np.zeros((M, K // 32), np.float32), np.zeros((M, K // 32), np.float32),
+                  np.zeros((M, K // 32), np.int32))
+    for m in range(M):
+        row = x[m].contiguous()
+        assert fn(int(simd), row.data_ptr(), int(x.dtype == torch.bfloat16), K, q[m].ctypes.data, d[m].ctypes.data,
+                  s[m].ctypes.data, n[m].ctypes.data) == 0
+    return q, d, s, n
+
+
+@pytest.mark.parametrize("variant", ["native", "portable"])
+def test_activation_quantization_simd_equals_scalar_and_the_formula(variant):
+    """The AVX2 activation quantizer (every step's input to every quantized linear) gives the scalar
+    loop's blocks bit for bit: q = round-half-even(x * (127 / max|x|)), d = max|x| / 127, in float32;
+    rows with exact .5 ties, zero blocks, tiny and huge magnitudes, float32 and bfloat16 inputs
+    (d to a rounding: the build may divide by 127 as a multiply)."""
+    lib = kernels.load_library(variant)
+    if lib is None:
+        pytest.skip(f"no {variant} kernel library (no C++ compiler?)")
+    rng = np.random.default_rng(11)
+    K = 256
+    x = rng.standard_normal((6, K)).astype(np.float32) * np.float32([[1], [1e-30], [1e30], [3], [1], [1]])
+    x[3, :32] = 0.0
+    x[4, 0], x[4, 1:32] = 127, np.arange(31) - 15 + 0.5      # max 127: x * 127 / max = x, all .5 ties
+    x[4, 32:64] = np.float32(127) * (np.arange(32) - 15.5) / 16.5
+    x[5] = np.float32(2.0) ** rng.integers(-8, 8, K)          # powers of two: exact products
+    for dtype in (torch.float32, torch.bfloat16):
+        xt = torch.from_numpy(x).to(dtype)
+        scalar = quantize_rows(lib, False, xt)
+        if kernels._X86:
+            for a, b in zip(quantize_rows(lib, True, xt), scalar):
+                np.testing.assert_array_equal(a, b)
+        xf = xt.float().numpy().reshape(6, -1, 32)
+        amax = np.abs(xf).max(-1, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), np.float32(0)).astype(np.float32)
+        want_q = np.rint((xf * inv).astype(np.float32)).astype(np.int8).reshape(6, K)
+        np.testing.assert_array_equal(scalar[0], want_q)
+        np.testing.assert_allclose(scalar[1], amax[..., 0] / np.float32(127), rtol=2.0 ** -23)  # (reciprocal ok)
+        np.testing.assert_array_equal(scalar[3], want_q.reshape(6, -1, 32).astype(np.int32).sum(-1))
 
 
 def test_bad_input_is_named():
