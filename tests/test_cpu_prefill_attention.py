@@ -37,13 +37,18 @@ def _prefills(rng, lengths, priors, block_size, num_blocks):
         positions=t(positions), token_to_req=t(req), query_start_loc_np=qsl, seq_lens_np=seq_lens)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head,window", [(9, 3, 64, None), (4, 4, 128, None), (8, 2, 64, 100),
-                                                        (6, 3, 128, 37)])
+CASES = [(9, 3, 64, None, 0), (4, 4, 128, None, 0), (8, 2, 64, 100, 0), (6, 3, 128, 37, 0),
+         (9, 3, 64, None, 1), (4, 4, 128, 37, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head,window,ramp", CASES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("variant", ["dpbf16", "amx"])
-def test_prefill_kernel_matches_reference_and_sdpa(cpu_kernels, monkeypatch, heads, kv_heads, head, window,
+def test_prefill_kernel_matches_reference_and_sdpa(cpu_kernels, monkeypatch, heads, kv_heads, head, window, ramp,
                                                    block_size, variant):
-    """Each variant forced (`POLYRUNNER_CPU_PREFILL_ATTENTION`): AVX512_BF16 tiles, AMX tiles."""
+    """Each variant forced (`POLYRUNNER_CPU_PREFILL_ATTENTION`): AVX512_BF16 tiles, AMX tiles. `ramp`: the
+    new keys grow with position and the queries are 3x larger, so a row's largest score keeps rising
+    block after block (the dpbf16 tiles' softmax reference must move, rescaling sums and outputs)."""
     monkeypatch.setenv("POLYRUNNER_CPU_PREFILL_ATTENTION", variant)
     if variant == "amx":
         if cpu_kernels is kernels.load_library("portable"):
@@ -59,6 +64,9 @@ def test_prefill_kernel_matches_reference_and_sdpa(cpu_kernels, monkeypatch, hea
     T = meta.num_actual_tokens
     q = torch.randn(T, heads, head, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(T, kv_heads, head, generator=g).to(torch.bfloat16) for _ in range(2))
+    if ramp:
+        q = (q.float() * 3).to(torch.bfloat16)
+        k = (k.float() * (1 + meta.positions.float() / 40)[:, None, None]).to(torch.bfloat16)
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head, generator=g).to(torch.bfloat16)
     spec = LayerSpec(heads, kv_heads, head, head ** -0.5, window)
     # float64 of the same bfloat16 inputs; the bound: fp32 sums, P rounded to bfloat16 (both paths)

@@ -65,23 +65,59 @@ inline __m512bh bcast_pair(const uint16_t* x) {
   return (__m512bh)_mm512_set1_epi32(int32_t(v));
 }
 
-// One tile: queries [t0, t0 + nt) of request (q0, nq, L), head h (KV head via pack p).
+// The softmax reference of a row moves only when a score exceeds it by more than RESCALE2 (base-2
+// units, e^8 as in the decode kernel): most blocks skip the horizontal max, the rescale of the
+// row's sums and output, and the serial chain between them.
+constexpr float RESCALE2 = 8.f * 1.4426950408889634f;
+
+// O += P V for rows [i0, i0 + NR) of a tile over key pairs [j0, j1) of a block: each V vector is
+// loaded once for the NR rows, whose accumulators (NR * ND vectors) stay in registers.
+template <int ND, int NR>
+inline void pv_rows(const uint32_t* vb, int64_t j0, int64_t j1, const uint32_t (*pp)[16], const float* corr,
+                    float (*acc)[16 * ND]) {
+  __m512 o[NR][ND];
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < ND; ++d) {
+      o[r][d] = _mm512_load_ps(acc[r] + 16 * d);
+      if (corr[r] != 1.f) o[r][d] = _mm512_mul_ps(o[r][d], _mm512_set1_ps(corr[r]));
+    }
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512bh v[ND];
+    for (int d = 0; d < ND; ++d) v[d] = (__m512bh)_mm512_loadu_si512(vb + j * 16 * ND + 16 * d);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(int32_t(pp[r][j]));
+      for (int d = 0; d < ND; ++d) o[r][d] = _mm512_dpbf16_ps(o[r][d], x, v[d]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int d = 0; d < ND; ++d) _mm512_store_ps(acc[r] + 16 * d, o[r][d]);
+}
+
+// One tile: queries [t0, t0 + nt) of request (q0, nq, L), head h (KV head via pack p). Per 32-key
+// block: S = Q K^T for the tile's rows, then P = 2^(S c - m) per row (c = scale log2 e; lanes outside
+// the row's visible keys masked), then O += P V in row groups (each V vector loaded once a group).
 template <int ND>  // D = 16 * ND
 void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, int64_t L, int64_t t0, int64_t nt,
           Pack p, uint16_t* out, int64_t o_ts, float scale, int64_t window, float softcap) {
   constexpr int64_t D = 16 * ND, P = D / 2;
+  constexpr int NR = ND <= 4 ? 4 : 2;  // rows per P V group: NR * ND accumulators in registers
   const float NEG = -std::numeric_limits<float>::infinity();
   alignas(64) float acc[QT][D];
   alignas(64) float s[QT][KB];
-  float m[QT], l[QT];
-  for (int64_t i = 0; i < nt; ++i) {
+  alignas(64) float lsum[QT][16];  // per row: the sums of P, 16 lanes, added up at the end
+  alignas(64) uint32_t pp[QT][16];  // per row: P as bfloat16 pairs, lane j = keys (2j, 2j + 1)
+  float m[QT], corr[QT];
+  for (int64_t i = 0; i < QT; ++i) {
     m[i] = NEG;
-    l[i] = 0.f;
     std::fill(acc[i], acc[i] + D, 0.f);
+    std::fill(lsum[i], lsum[i] + 16, 0.f);
+    std::fill(pp[i], pp[i] + 16, 0u);
+    corr[i] = 1.f;
   }
   const int64_t pos0 = L - nq + t0, pos1 = pos0 + nt - 1;  // positions of the first and last query
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // 2^(x c) = e^(x * scale); with a soft cap the scores are capped (scale included) first
+  const __m512 c = _mm512_set1_ps((softcap > 0.f ? 1.f : scale) * 1.4426950408889634f);
   for (int64_t b = lo / KB; b * KB <= pos1; ++b) {
     const uint32_t* kb = p.k + b * P * KB;
     // S = Q K^T for the block, 4 query rows at a time
@@ -104,43 +140,49 @@ void tile(const uint16_t* q, int64_t q_ts, int64_t h, int64_t q0, int64_t nq, in
         _mm512_store_ps(s[i0 + r] + 16, s1[r]);
       }
     }
-    // online softmax per row, then O += P V
+    // P per row: keys [first, pos] are visible; the block's lanes outside them are masked
+    const int64_t base = b * KB;
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t pos = pos0 + i, first = window > 0 ? pos - window + 1 : 0;
-      __m512 v[2];
+      corr[i] = 1.f;
+      if (pos < base || first > base + KB - 1) {  // nothing visible in this block
+        std::fill(pp[i], pp[i] + 16, 0u);
+        continue;
+      }
       __mmask16 ok[2];
-      float mx = m[i];
-      for (int c = 0; c < 2; ++c) {
-        const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(float(b * KB + 16 * c)));
-        ok[c] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(pos)), _CMP_LE_OQ) &
-                _mm512_cmp_ps_mask(key, _mm512_set1_ps(float(first)), _CMP_GE_OQ);
-        v[c] = _mm512_mul_ps(_mm512_load_ps(s[i] + 16 * c), _mm512_set1_ps(scale));
-        if (softcap > 0.f) v[c] = softcap16(v[c], softcap);
-        if (ok[c]) mx = std::max(mx, _mm512_mask_reduce_max_ps(ok[c], v[c]));
+      __m512 t[2];
+      for (int k = 0; k < 2; ++k) {
+        const int64_t a = std::max<int64_t>(first - base - 16 * k, 0), z = std::min<int64_t>(pos - base - 16 * k, 15);
+        ok[k] = z < a ? __mmask16(0) : __mmask16(((2u << z) - 1u) & ~((1u << a) - 1u));
+        t[k] = _mm512_load_ps(s[i] + 16 * k);
+        if (softcap > 0.f) t[k] = softcap16(_mm512_mul_ps(t[k], _mm512_set1_ps(scale)), softcap);
+        t[k] = _mm512_mul_ps(t[k], c);
       }
-      if (!(ok[0] | ok[1])) continue;
-      const float corr = m[i] == NEG ? 0.f : _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[i] - mx)));
-      m[i] = mx;
+      const __m512 lim = _mm512_set1_ps(m[i] + RESCALE2);
+      if (_mm512_mask_cmp_ps_mask(ok[0], t[0], lim, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(ok[1], t[1], lim, _CMP_GT_OQ)) {
+        float mx = m[i];
+        for (int k = 0; k < 2; ++k)
+          if (ok[k]) mx = std::max(mx, _mm512_mask_reduce_max_ps(ok[k], t[k]));
+        corr[i] = m[i] == NEG ? 0.f : _mm512_cvtss_f32(exp2_16(_mm512_set1_ps(m[i] - mx)));
+        m[i] = mx;
+        _mm512_store_ps(lsum[i], _mm512_mul_ps(_mm512_load_ps(lsum[i]), _mm512_set1_ps(corr[i])));
+      }
+      const __m512 mi = _mm512_set1_ps(m[i]);
       __m512 e[2];
-      for (int c = 0; c < 2; ++c) e[c] = _mm512_maskz_mov_ps(ok[c], exp16(_mm512_sub_ps(v[c], _mm512_set1_ps(mx))));
-      l[i] = l[i] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e[0], e[1]));
-      alignas(64) uint32_t pp[16];  // P as bfloat16 pairs: lane j = keys (2j, 2j + 1)
-      _mm512_store_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-      __m512 o[ND];
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int d = 0; d < ND; ++d) o[d] = _mm512_mul_ps(_mm512_load_ps(acc[i] + 16 * d), cv);
-      const uint32_t* vb = p.v + b * (KB / 2) * D;
-      for (int64_t j = 0; j < KB / 2; ++j) {
-        if (pp[j] == 0) continue;  // both keys masked (or underflowed)
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(int32_t(pp[j]));
-        for (int d = 0; d < ND; ++d)
-          o[d] = _mm512_dpbf16_ps(o[d], x, (__m512bh)_mm512_loadu_si512(vb + j * D + 16 * d));
-      }
-      for (int d = 0; d < ND; ++d) _mm512_store_ps(acc[i] + 16 * d, o[d]);
+      for (int k = 0; k < 2; ++k) e[k] = _mm512_maskz_mov_ps(ok[k], exp2_16(_mm512_sub_ps(t[k], mi)));
+      _mm512_store_ps(lsum[i], _mm512_add_ps(_mm512_load_ps(lsum[i]), _mm512_add_ps(e[0], e[1])));
+      _mm512_store_si512(pp[i], (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
     }
+    // O += P V over the key pairs any row sees
+    const int64_t j0 = std::max<int64_t>(0, lo - base) / 2, j1 = std::min<int64_t>(KB, pos1 - base + 1 + 1) / 2;
+    const uint32_t* vb = p.v + b * (KB / 2) * D;
+    int64_t i0 = 0;
+    for (; i0 + NR <= nt; i0 += NR) pv_rows<ND, NR>(vb, j0, j1, pp + i0, corr + i0, acc + i0);
+    for (; i0 < nt; ++i0) pv_rows<ND, 1>(vb, j0, j1, pp + i0, corr + i0, acc + i0);
   }
   for (int64_t i = 0; i < nt; ++i) {
-    const __m512 inv = _mm512_set1_ps(l[i] > 0.f ? 1.f / l[i] : 0.f);
+    const float l = _mm512_reduce_add_ps(_mm512_load_ps(lsum[i]));
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f);
     uint16_t* dst = out + (q0 + t0 + i) * o_ts + h * D;
     for (int d = 0; d < ND; ++d)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * d),
