@@ -52,6 +52,51 @@ def test_plan_without_a_pool_kernel_and_with_untimed_kernels():
     assert set(plan) == {"onednn"} and kernel_table.pool_prefix(plan) == 0
 
 
+def test_recheck_names_islands_crossovers_and_close_calls_among_the_competing_kernels():
+    rows = [1, 2, 4, 8, 16, 32, 64, 128]
+    times = _times(dpbf16=[(1, 50), (2, 52), (4, 60), (8, 70), (16, 100), (32, 300), (64, 400), (128, 800)],
+                   avx512=[(1, 40), (2, 60), (4, 90), (8, 140), (16, 250), (32, 280), (64, 800), (128, None)],
+                   onednn=[(1, 90), (2, 90), (4, 10), (8, 20), (16, 40), (32, 90), (64, 160), (128, 790)])
+    again = kernel_table._recheck(times, rows)
+    assert again[1] == again[2] == ["avx512", "dpbf16"]   # crossover 1 -> 2 (avx512, then dpbf16)
+    assert 4 not in again and 8 not in again              # clear: oneDNN faster, but not a pool step
+    assert again[16] == ["avx512", "dpbf16"]              # next to the island at 32
+    assert again[32] == ["avx512", "dpbf16"]              # an island: avx512 between dpbf16 wins
+    assert again[64] == ["avx512", "dpbf16"]              # next to it
+    assert again[128] == ["dpbf16", "onednn"]             # above pool steps: all compete; within 10%
+
+
+def test_measure_times_pool_kernels_apart_from_onednn_and_rechecks_what_a_burst_turned(monkeypatch):
+    """A burst of load during dpbf16's first timing at 32 rows makes avx512 win there; the second look
+    (a quieter moment) restores dpbf16. oneDNN is never timed in the same turns as a pool kernel."""
+    cost = {"dpbf16": 1.0, "avx512": 1.5, "onednn": 0.8}   # ms per call at 32 rows, scaled by rows
+    calls: dict[str, int] = {}   # per kernel and row count
+    groups: list[set[str]] = []
+    clock = [0.0]
+
+    def fake_runner(name):
+        def run(x, packed, N, bias):
+            key = f"{name}@{x.shape[0]}"
+            calls[key] = calls.get(key, 0) + 1
+            burst = key == "dpbf16@32" and calls[key] <= 1 + kernel_table.REPEATS   # the first pass only
+            clock[0] += cost[name] * x.shape[0] / 32 * (3.0 if burst else 1.0) / 1e3
+        return run
+    real_turns = kernel_table.time_in_turns
+
+    def spy_turns(fns, per_call=None, repeats=kernel_table.REPEATS, warm=True):
+        groups.append(set(fns))
+        return real_turns(fns, per_call, repeats, warm)
+    monkeypatch.setattr(kernel_table, "runner", fake_runner)
+    monkeypatch.setattr(kernel_table, "pack", lambda kernel, w, hint: w)
+    monkeypatch.setattr(kernel_table, "time_in_turns", spy_turns)
+    monkeypatch.setattr(kernel_table.time, "perf_counter", lambda: clock[0])
+    w = [torch.zeros(16, 32, dtype=torch.bfloat16)]
+    out = kernel_table.measure(w, ["dpbf16", "avx512", "onednn"], [16, 32, 64], 64)
+    assert all(g <= kernel_table.POOL_KERNELS or g == {"onednn"} for g in groups), groups
+    assert out["dpbf16"][32] == pytest.approx(1000.0) and out["avx512"][32] == pytest.approx(1500.0)
+    assert kernel_table.plan(out, 64, ["dpbf16", "avx512", "onednn"])[32] == "dpbf16"
+
+
 def test_interpolate():
     points = {1: 10.0, 9: 30.0, 16: None}
     assert kernel_table.interpolate(points, 1) == 10.0

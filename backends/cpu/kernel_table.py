@@ -10,7 +10,10 @@ stand-ins for CPUs without it).
 `linear_table(weights)` times every available kernel at each weight shape (N, K) of the model for the
 row counts `ROWS` (the LM head's rows are requests, so up to `max_num_seqs`), on the model's own
 weights: a shape's layers in turn, enough of them that the weights stream from beyond the core's
-caches as they do in a step. The times (microseconds per call) are cached in
+caches as they do in a step; where the ranking at a row count looks like one burst of load elsewhere
+could have turned it (a winner unlike its neighbours', or a close second), the contenders are timed
+again after the first pass and each keeps its faster time (noise only adds). The times
+(microseconds per call) are cached in
 `cache_dir()/kernel-table-<key>.json`, the key made of the CPU model and flags, the thread count,
 torch's version and the kernel library's build, so a later start on the machine measures nothing
 (a shape or kernel missing from the file is measured and added). `plan(times, limit)` then names,
@@ -38,7 +41,7 @@ from polyrunner.backends.cpu import threads as threads_
 
 logger = logging.getLogger(__name__)
 
-VERSION = 2  # of the file format and the timing method: a change re-measures
+VERSION = 3  # of the file format and the timing method: a change re-measures
 LINEAR_KERNELS = ("amx", "dpbf16", "avx512", "onednn")
 POOL_KERNELS = frozenset({"amx", "dpbf16", "avx512"})   # run on the work-sharing pool (graph-replayable)
 POOL_STEP_ROWS = 64   # steps up to this many rows may run whole on the pool (executor.py)
@@ -47,6 +50,8 @@ STREAM_BYTES = 64 << 20   # a shape's layers timed in turn up to this many weigh
 STREAM_ROWS = 64          # above: compute-bound, two layers are enough
 REPEATS = 5               # timed passes per (kernel, rows); the fastest counts
 GIVE_UP = 4.0             # a kernel this many times slower than the best at some rows is not timed above
+RECHECK_MARGIN = 0.1      # a runner-up within 10% of the winner is timed again with it (`_recheck`)
+RECHECK_REPEATS = 2       # timed passes of that second look
 BUSY_LIMIT = 0.5          # cores other processes may keep busy while timing, for the times to be cached
 
 Times = dict[str, dict[int, float | None]]   # kernel -> rows -> us per call (None: not timed, too slow)
@@ -153,16 +158,18 @@ def pool_prefix(choices: Sequence[str]) -> int:
 
 
 # ---- measuring ----------------------------------------------------------------------
-def time_in_turns(calls: dict[str, Callable[[], object]], per_call: dict[str, int] | None = None) -> dict[str, float]:
+def time_in_turns(calls: dict[str, Callable[[], object]], per_call: dict[str, int] | None = None,
+                  repeats: int = REPEATS, warm: bool = True) -> dict[str, float]:
     """us per call of each of `calls` (name -> a function doing `per_call[name]` calls, default 1): the
-    functions take turns within each of `REPEATS` repeats after one warm pass (first touch, threads
-    awake), so a burst of load elsewhere on a shared host hits them alike; the fastest repeat counts."""
+    functions take turns within each of `repeats` repeats after one warm pass (first touch, threads
+    awake; `warm=False`: none), so a burst of load elsewhere on a shared host hits them alike; the
+    fastest repeat counts."""
     best = {name: math.inf for name in calls}
-    for rep in range(REPEATS + 1):
+    for rep in range(repeats + int(warm)):
         for name, fn in calls.items():
             start = time.perf_counter()
             fn()
-            if rep:
+            if rep or not warm:
                 best[name] = min(best[name], (time.perf_counter() - start) / (per_call or {}).get(name, 1) * 1e6)
     return best
 
@@ -184,11 +191,21 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
     out: Times = {k: {} for k in kernels_}
     alive = list(kernels_)
     gen = torch.Generator().manual_seed(0)
+    xs = {M: torch.randn(M, K, generator=gen).to(torch.bfloat16) for M in rows}
+
+    def timed(M: int, names: Sequence[str], repeats: int = REPEATS) -> dict[str, float]:
+        """The pool kernels in turns, then oneDNN apart, each group after its warm pass: OpenMP's team
+        spins for milliseconds after a oneDNN call, and the pool kernel timed next in the same turns
+        ran up to 2x slower (decode graphs run the pool kernels with the team asleep)."""
+        use = {k: packed[k] if M <= STREAM_ROWS else packed[k][:2] for k in names}
+        out: dict[str, float] = {}
+        for group in ([k for k in names if k in POOL_KERNELS], [k for k in names if k not in POOL_KERNELS]):
+            if group:
+                out.update(time_in_turns({k: functools.partial(_call_each, runner(k), xs[M], use[k], N) for k in group},
+                                         {k: len(use[k]) for k in group}, repeats))
+        return out
     for M in rows:
-        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-        use = {k: packed[k] if M <= STREAM_ROWS else packed[k][:2] for k in alive}
-        best = time_in_turns({k: functools.partial(_call_each, runner(k), x, use[k], N) for k in alive},
-                             {k: len(use[k]) for k in alive})
+        best = timed(M, alive)
         fastest = min(best.values())
         for k in list(alive):
             out[k][M] = best[k]
@@ -197,6 +214,35 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
         for k in kernels_:
             if k not in alive:
                 out[k].setdefault(M, None)
+    for M, names in _recheck(out, rows).items():   # a second look, later: a burst elsewhere only adds time
+        for k, t in timed(M, names, RECHECK_REPEATS).items():
+            out[k][M] = min(t, out[k][M] or math.inf)
+    return out
+
+
+def _recheck(times: Times, rows: Sequence[int]) -> dict[int, list[str]]:
+    """Row counts whose ranking one burst of load elsewhere could have turned, with the kernels to time
+    again there: where the winner differs from a neighbouring row count's (an island or a crossover:
+    both winners), or a runner-up is within `RECHECK_MARGIN` of the winner (both). Rankings are among
+    the kernels `plan` lets compete at that row count (pool kernels only up to `POOL_STEP_ROWS`)."""
+    pool = [k for k in times if k in POOL_KERNELS]
+
+    def ranked(M: int, names: Sequence[str]) -> list[str]:
+        return sorted((k for k in names if times[k].get(M) is not None), key=lambda k: times[k][M] or math.inf)
+    out: dict[int, list[str]] = {}
+    for i, M in enumerate(rows):
+        names = pool if pool and M <= POOL_STEP_ROWS else list(times)
+        order = ranked(M, names)
+        if not order:
+            continue
+        pick = {order[0]}
+        for near in rows[max(0, i - 1):i + 2]:
+            winner = ranked(near, names)[:1]
+            pick.update(k for k in winner if k in order)
+        best = times[order[0]][M] or math.inf
+        pick.update(k for k in order[1:] if (times[k][M] or math.inf) <= (1 + RECHECK_MARGIN) * best)
+        if len(pick) > 1:
+            out[M] = sorted(pick)
     return out
 
 
