@@ -41,7 +41,7 @@ from polyrunner.backends.cpu import threads as threads_
 
 logger = logging.getLogger(__name__)
 
-VERSION = 3  # of the file format and the timing method: a change re-measures
+VERSION = 4  # of the file format and the timing method: a change re-measures
 LINEAR_KERNELS = ("amx", "dpbf16", "avx512", "onednn")
 POOL_KERNELS = frozenset({"amx", "dpbf16", "avx512"})   # run on the work-sharing pool (graph-replayable)
 POOL_STEP_ROWS = 64   # steps up to this many rows may run whole on the pool (executor.py)
@@ -194,12 +194,15 @@ def measure(weights: list[torch.Tensor], kernels_: Sequence[str], rows: Sequence
     xs = {M: torch.randn(M, K, generator=gen).to(torch.bfloat16) for M in rows}
 
     def timed(M: int, names: Sequence[str], repeats: int = REPEATS) -> dict[str, float]:
-        """The pool kernels in turns, then oneDNN apart, each group after its warm pass: OpenMP's team
-        spins for milliseconds after a oneDNN call, and the pool kernel timed next in the same turns
-        ran up to 2x slower (decode graphs run the pool kernels with the team asleep)."""
+        """Up to `POOL_STEP_ROWS` rows the pool kernels in turns, then oneDNN apart, each group after its
+        warm pass: OpenMP's team spins for milliseconds after a oneDNN call, and the pool kernel timed
+        next in the same turns ran up to 2x slower, while such steps run the pool kernels with the team
+        asleep. Above, all in turns: those steps run oneDNN and the pool kernels side by side."""
         use = {k: packed[k] if M <= STREAM_ROWS else packed[k][:2] for k in names}
         out: dict[str, float] = {}
-        for group in ([k for k in names if k in POOL_KERNELS], [k for k in names if k not in POOL_KERNELS]):
+        pool = [k for k in names if k in POOL_KERNELS]
+        groups = [pool, [k for k in names if k not in pool]] if M <= POOL_STEP_ROWS else [list(names)]
+        for group in groups:
             if group:
                 out.update(time_in_turns({k: functools.partial(_call_each, runner(k), xs[M], use[k], N) for k in group},
                                          {k: len(use[k]) for k in group}, repeats))
