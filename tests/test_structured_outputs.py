@@ -119,14 +119,20 @@ def test_regex_choice_grammar(llm):
 
 
 def test_json_object_and_mixed_batch(llm):
-    """Constrained and free rows in one batch: the free rows are untouched (same text as alone)."""
+    """Constrained and free rows in one batch: the free row is untouched (the same text as beside the
+    same prompt unconstrained). Both batches take the same steps, so that only the constraint
+    differs: the prompts are in the prefix cache first (a hit prefills a shorter tail, which may
+    round differently), and the other row runs at least as long as the free one."""
     free = SamplingParams(temperature=0.0, max_tokens=24)
-    alone = llm.generate([chat(llm, "Tell me a joke.")], free, use_tqdm=False)[0].outputs[0].text
-    outs = llm.generate([chat(llm, "Tell me a joke."), chat(llm, "Give a JSON object about a cat.")],
-                        [free, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                              structured_outputs=StructuredOutputsParams(json_object=True))],
+    prompts = [chat(llm, "Tell me a joke."), chat(llm, "Give a JSON object about a cat.")]
+    llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    beside_free = llm.generate(prompts, [free, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)],
+                               use_tqdm=False)[0].outputs[0].text
+    outs = llm.generate(prompts, [free, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                       structured_outputs=StructuredOutputsParams(json_object=True))],
                         use_tqdm=False)
-    assert outs[0].outputs[0].text == alone
+    assert len(outs[1].outputs[0].token_ids) >= 24   # so both batches shared their steps
+    assert outs[0].outputs[0].text == beside_free
     c = outs[1].outputs[0]
     if c.finish_reason == "stop":
         assert isinstance(json.loads(c.text), dict)
