@@ -134,7 +134,7 @@ def test_table_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
     assert all(set(t) == {1, 2, 4, 8, 16, 20} for t in first[(64, 96)].values())
     assert all(v is None or v > 0 for t in first[(64, 96)].values() for v in t.values())
     files = list((tmp_path / "cpu_kernels").glob("kernel-table-*.json"))
-    assert len(files) == 1 and "64x96/hint64" in json.loads(files[0].read_text())
+    assert len(files) == 1 and kernel_table.shape_key((64, 96), 64) in json.loads(files[0].read_text())
 
     def fail(*args, **kwargs):
         raise AssertionError("measured again")
@@ -143,6 +143,13 @@ def test_table_is_measured_once_then_read_from_the_cache(monkeypatch, tmp_path):
     with pytest.raises(AssertionError, match="measured again"):   # another thread count: another table
         kernel_table.linear_table(weights, 64, threads=3, rows_limit={(64, 96): 20})
     assert kernel_table.table_key(1) != kernel_table.table_key(3)
+    if kernels.paged_attention_kernel() is not None:   # times at the other prefetch level: timed again
+        previous = kernels.set_linear_prefetch(not kernels.linear_prefetch_l2())
+        try:
+            with pytest.raises(AssertionError, match="measured again"):
+                kernel_table.linear_table(weights, 64, threads=1, rows_limit={(64, 96): 20})
+        finally:
+            kernels.set_linear_prefetch(previous)
 
 
 def _kernel_params():

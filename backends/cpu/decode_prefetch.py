@@ -1,23 +1,21 @@
 """Where the bfloat16 decode attention prefetches the next KV block: into L1 or L2, by measurement.
 
 `paged_attention.cpp`'s decode spreads prefetches of a request's next cache block over the
-current block's compute (`NextBlock`). Into L1 (`prefetcht0`) every prefetch holds one of the
-core's few L1 miss buffers until its line lands, and the loads queue behind them; into L2
-(`prefetcht1`) the loads then hit L2 instead. Which is faster is the core's business: on a Zen 4
-VM, L2 decoded 64 requests x 336 keys ~1.5x faster (benchmarks/results/design-measurements.md),
-while the kernel was first tuned with L1 on an Intel Xeon. `choose` therefore times both once per
-machine and head shape (`kernel_table.cached`, next to the linears' times) on decode steps whose
-cache streams from memory, and sets the faster; `POLYRUNNER_CPU_DECODE_PREFETCH=l1|l2` forces one.
+current block's compute (`NextBlock`). On a Zen 4 VM, L2 decoded 64 requests x 336 keys ~1.5x
+faster (benchmarks/results/design-measurements.md), while the kernel was first tuned with L1 on an
+Intel Xeon. `choose` therefore times both once per machine and head shape (`prefetch_level.py`) on
+decode steps whose cache streams from memory, and sets the faster;
+`POLYRUNNER_CPU_DECODE_PREFETCH=l1|l2` forces one.
 """
 
 from __future__ import annotations
 
 import torch
 
-from polyrunner.backends.cpu import envs, kernel_table, kernels
+from polyrunner.backends.cpu import envs, kernel_table, kernels, prefetch_level
 from polyrunner.plugin_api import LayerSpec, cdiv
 
-LEVELS = ("l1", "l2")
+LEVELS = prefetch_level.LEVELS
 REQUESTS, CONTEXT, LAYERS = 32, 320, 8   # ~8 MB of keys and values per layer, 63 MB a step: beyond the caches
 
 
@@ -25,20 +23,13 @@ def choose(spec: LayerSpec, block_size: int, threads: int) -> str:
     """Set the level the decode attention prefetches to for layers like `spec`, and return a line
     saying which and why: forced, timed (once per machine: then read from the kernel table), or
     nothing to choose (no AVX512_BF16 decode kernel for this shape here: "l1")."""
-    forced = envs.DECODE_PREFETCH.get()
     Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_size
-    if forced != "auto":
-        level, why = forced, "POLYRUNNER_CPU_DECODE_PREFETCH"
-    elif not kernels.simd_bf16() or D not in (64, 128) or Hq % Hkv:
-        level, why = "l1", "no AVX512_BF16 decode kernel for this shape here"
-    else:
-        times = kernel_table.cached(f"decode prefetch {Hq}/{Hkv}x{D} block {block_size}",
-                                    lambda: _time(Hq, Hkv, D, block_size), threads=threads)
-        us = {name: sum(t for t in times[name].values() if t is not None) for name in LEVELS}
-        level = min(LEVELS, key=us.__getitem__)
-        why = ", ".join(f"{name} {us[name]:.0f} us" for name in LEVELS) + f" per step of {REQUESTS} x {CONTEXT} keys"
-    kernels.set_decode_prefetch(level == "l2")
-    return f"decode attention prefetches into {level.upper()} ({why})"
+    unavailable = (None if kernels.simd_bf16() and D in (64, 128) and not Hq % Hkv
+                   else "no AVX512_BF16 decode kernel for this shape here")
+    return prefetch_level.choose(
+        "decode attention prefetches", (envs.DECODE_PREFETCH.get(), "POLYRUNNER_CPU_DECODE_PREFETCH"), unavailable,
+        f"decode prefetch {Hq}/{Hkv}x{D} block {block_size}", lambda: _time(Hq, Hkv, D, block_size), threads,
+        kernels.set_decode_prefetch, f"per step of {REQUESTS} x {CONTEXT} keys")
 
 
 def _time(Hq: int, Hkv: int, D: int, bs: int) -> kernel_table.Times:

@@ -31,6 +31,9 @@ DECODE_PREFETCH = declare("POLYRUNNER_CPU_DECODE_PREFETCH", str, "auto",
                           "where the bfloat16 decode attention prefetches the next KV block; auto: the faster "
                           "here (l1 or l2), timed once per machine and head shape", choices=("auto", "l1", "l2"),
                           section=_S)
+LINEAR_PREFETCH = declare("POLYRUNNER_CPU_LINEAR_PREFETCH", str, "auto",
+                          "where the pool's bfloat16 linears prefetch their weights; auto: the faster here "
+                          "(l1 or l2), timed once per machine", choices=("auto", "l1", "l2"), section=_S)
 AMX = declare("POLYRUNNER_CPU_AMX", bool, True,
               "0: no AMX linear kernel (a stand-in for CPUs without AMX)", section=_S)
 DPBF16 = declare("POLYRUNNER_CPU_DPBF16", bool, True,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from polyrunner.backends.cpu import decode_prefetch, envs, kernel_table, kernels, threads
+from polyrunner.backends.cpu import decode_prefetch, envs, kernel_table, kernels, linear_prefetch, threads
 from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
 from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
@@ -168,6 +168,8 @@ class CPUExecutor(StaticGraphExecutor):
         # what packing the LM head and the linears (the "linear" op override) measured or read
         self.kernel_tables = list(dict.fromkeys(
             m.report for m in (self.packed_logits, *model.modules()) if isinstance(m, PackedLinear) and m.report))
+        if self.kernel_tables:   # and the prefetch level they were timed and run at (read back: `planned` chose it)
+            self.kernel_tables.append(linear_prefetch.choose(self.threads))
         fused = any(isinstance(m, (FusedRMSNorm, FusedMLP, FusedRotary)) for m in model.modules())
         forward_rows = min(pool_step_rows(model), POOL_STEP_ROWS)
         self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
@@ -192,7 +194,7 @@ class CPUExecutor(StaticGraphExecutor):
 
     def kernel_report(self) -> str | None:
         """The bfloat16 linears' kernel per weight shape and row count, with the times behind it, and where
-        the decode attention prefetches."""
+        they and the decode attention prefetch."""
         return "\n".join(self.kernel_tables) or None
 
     # ---- threads ---------------------------------------------------------------

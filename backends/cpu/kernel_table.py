@@ -41,7 +41,7 @@ from polyrunner.backends.cpu import threads as threads_
 
 logger = logging.getLogger(__name__)
 
-VERSION = 4  # of the file format and the timing method: a change re-measures
+VERSION = 5  # of the file format and the timing method: a change re-measures
 LINEAR_KERNELS = ("amx", "dpbf16", "avx512", "onednn")
 POOL_KERNELS = frozenset({"amx", "dpbf16", "avx512"})   # run on the work-sharing pool (graph-replayable)
 POOL_STEP_ROWS = 64   # steps up to this many rows may run whole on the pool (executor.py)
@@ -272,7 +272,9 @@ def table_path(threads: int) -> Path:
 
 
 def shape_key(shape: tuple[int, int], hint: int) -> str:
-    return f"{shape[0]}x{shape[1]}/hint{hint}"
+    """A weight shape's entry in the table, timed at the pool linears' prefetch level now set
+    (`linear_prefetch.py`)."""
+    return f"{shape[0]}x{shape[1]}/hint{hint}/{'l2' if kernels.linear_prefetch_l2() else 'l1'}"
 
 
 _parsed: dict[Path, tuple[tuple[int, int, int], dict]] = {}   # path -> (file stamp, table): one parse per change

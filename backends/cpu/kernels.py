@@ -58,7 +58,7 @@ SOURCES += [Path(__file__).with_name("lora_kernel.cpp")]  # the "lora" role's on
 SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 linear (no AVX512_BF16)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
-           Path(__file__).with_name("widen_dot.h")]
+           Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -185,6 +185,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_simd_bf16.restype = ctypes.c_int
     lib.pr_set_decode_prefetch.restype = ctypes.c_int
     lib.pr_set_decode_prefetch.argtypes = [ctypes.c_int]
+    lib.pr_set_linear_prefetch.restype = ctypes.c_int
+    lib.pr_set_linear_prefetch.argtypes = [ctypes.c_int]
+    lib.pr_linear_prefetch.restype = ctypes.c_int
+    lib.pr_linear_prefetch.argtypes = []
     lib.pr_softcap_scores.restype = ctypes.c_int
     lib.pr_softcap_scores.argtypes = [ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
     lib.pr_rms_norm_bf16.restype = None
@@ -454,6 +458,19 @@ def set_decode_prefetch(l2: bool) -> bool:
     into L2 (True) or L1 (False); returns the previous setting."""
     lib = paged_attention_kernel()
     return False if lib is None else bool(lib.pr_set_decode_prefetch(int(l2)))
+
+
+def set_linear_prefetch(l2: bool) -> bool:
+    """Where the pool's bfloat16 linears prefetch their weights (`linear_prefetch.py`): into L2
+    (True) or L1 (False); returns the previous setting."""
+    lib = paged_attention_kernel()
+    return False if lib is None else bool(lib.pr_set_linear_prefetch(int(l2)))
+
+
+def linear_prefetch_l2() -> bool:
+    """Whether the pool's bfloat16 linears prefetch into L2 now (see `set_linear_prefetch`)."""
+    lib = paged_attention_kernel()
+    return lib is not None and bool(lib.pr_linear_prefetch())
 
 
 def set_pool_spin(spin_us: int) -> None:

@@ -28,6 +28,7 @@
 #endif
 
 #include "thread_pool.h"
+#include "weight_prefetch.h"
 #include "widen_dot.h"
 
 #ifdef PR_AVX512_LINEAR
@@ -35,7 +36,7 @@ namespace {
 constexpr int MR_MAX = 6, NC_MAX = 4;
 constexpr int64_t MB = 64;   // rows per task
 constexpr int64_t KC = 128;  // pairs per slice when a task has more than MR_MAX rows
-constexpr int64_t PF = 32;   // pairs prefetched ahead
+constexpr int64_t PF = 32;   // pairs prefetched ahead (every line, into L1 or L2: weight_prefetch.h)
 
 inline __m512 even(__m512i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)); }
 inline __m512 odd(__m512i raw) {
@@ -49,7 +50,7 @@ using pr_widen::to_bf16;
 // elements). Sums start from `part` ([MR][64] floats) when `resume`, else zero; they end in y
 // (row stride y_ts, bfloat16, the last block's first `tail` columns only) when `last`, else
 // back in `part`.
-template <int MR, int NC>
+template <int MR, int NC, bool L2>
 void micro(const float* x, int64_t x_ts, const uint16_t* w, int64_t wstep, int64_t npairs, uint16_t* y,
            int64_t y_ts, int tail, float* part, bool resume, bool last) {
   __m512 acc[MR][NC];
@@ -57,8 +58,7 @@ void micro(const float* x, int64_t x_ts, const uint16_t* w, int64_t wstep, int64
     for (int c = 0; c < NC; ++c) acc[i][c] = resume ? _mm512_loadu_ps(part + i * 64 + 16 * c) : _mm512_setzero_ps();
   for (int64_t kp = 0; kp < npairs; ++kp) {
     const uint16_t* wk = w + kp * wstep;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep), _MM_HINT_T0);
-    if (NC > 2) _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep + 64), _MM_HINT_T0);
+    pr::prefetch_lines<L2, NC>(wk + PF * wstep);
     const float* xk = x + 2 * kp;
     for (int c = 0; c < NC; ++c) {
       const __m512i raw = _mm512_loadu_si512(wk + c * 32);
@@ -90,32 +90,36 @@ void micro(const float* x, int64_t x_ts, const uint16_t* w, int64_t wstep, int64
 using Micro = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int, float*,
                        bool, bool);
 
-template <int NC>
+template <int NC, bool L2>
 Micro pick_rows(int mr) {
   switch (mr) {
-    case 1: return micro<1, NC>;
-    case 2: return micro<2, NC>;
-    case 3: return micro<3, NC>;
-    case 4: return micro<4, NC>;
-    case 5: return micro<5, NC>;
-    default: return micro<6, NC>;
+    case 1: return micro<1, NC, L2>;
+    case 2: return micro<2, NC, L2>;
+    case 3: return micro<3, NC, L2>;
+    case 4: return micro<4, NC, L2>;
+    case 5: return micro<5, NC, L2>;
+    default: return micro<6, NC, L2>;
   }
 }
 
-Micro pick(int mr, int nc) {
+template <bool L2>
+Micro pick_cols(int mr, int nc) {
   switch (nc) {
-    case 1: return pick_rows<1>(mr);
-    case 2: return pick_rows<2>(mr);
-    case 3: return pick_rows<3>(mr);
-    default: return pick_rows<4>(mr);
+    case 1: return pick_rows<1, L2>(mr);
+    case 2: return pick_rows<2, L2>(mr);
+    case 3: return pick_rows<3, L2>(mr);
+    default: return pick_rows<4, L2>(mr);
   }
 }
+
+Micro pick(int mr, int nc, bool l2) { return l2 ? pick_cols<true>(mr, nc) : pick_cols<false>(mr, nc); }
 
 struct Call {
   const float* x;   // [M, K2] float32
   const uint16_t* wp;
   uint16_t* y;
   int64_t y_ts, M, N, K2, nblocks, width, ncols, mchunks, per_chunk;
+  bool l2;   // prefetch into L2 (else L1)
 };
 
 // One task: column task `col` (blocks [col * width, ...) of one group) x row chunk `mc`.
@@ -133,7 +137,7 @@ void run_task(const Call& c, int64_t col, int64_t mc, float* part) {
     const bool resume = k0 > 0, last = k0 + nk >= npairs;
     for (int64_t m0 = r0; m0 < r1; m0 += MR_MAX) {
       const int mr = int(std::min<int64_t>(r1 - m0, MR_MAX));
-      pick(mr, nc)(c.x + m0 * c.K2 + 2 * k0, c.K2, w + k0 * wstep, wstep, nk, c.y + m0 * c.y_ts + b0 * 16, c.y_ts,
+      pick(mr, nc, c.l2)(c.x + m0 * c.K2 + 2 * k0, c.K2, w + k0 * wstep, wstep, nk, c.y + m0 * c.y_ts + b0 * 16, c.y_ts,
                    tail, part + (m0 - r0) * 64, resume, last);
     }
   }
@@ -221,7 +225,7 @@ int pr_avx512_linear_bf16(const void* x, int64_t x_ts, int x_f32, const uint16_t
   int64_t width = NC_MAX;   // narrower column tasks while there are too few tasks for the threads
   while (width > 1 && mchunks * ((nblocks + width - 1) / width) < 4 * threads) width /= 2;
   const int64_t ncols = (nblocks + width - 1) / width, ntasks = ncols * mchunks;
-  Call c{xf.data(), wp, y, y_ts, M, N, K2, nblocks, width, ncols, mchunks, 0};
+  Call c{xf.data(), wp, y, y_ts, M, N, K2, nblocks, width, ncols, mchunks, 0, pr::weight_prefetch_to_l2()};
   c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (8 * threads)) : ntasks;
   pr::parallel_for(threads > 1 ? (ntasks + c.per_chunk - 1) / c.per_chunk : 1, run_chunk, &c);
   return 0;

@@ -11,7 +11,8 @@
 //
 // Register blocking: up to 6 rows x 4 column blocks of accumulators; a task is
 // one group (64 output features) over every row, so what a task streams from
-// memory (prefetched PF pairs ahead) is reused by its later row passes: above 6
+// memory (prefetched PF pairs ahead, every line of them, into L1 or L2 as measured fastest
+// on this machine: weight_prefetch.h) is reused by its later row passes: above 6
 // rows the group's pairs go in slices of 128 (32 KiB, in L1), every row pass over
 // a slice before the next. Measured >= oneDNN at 1-64 rows for SmolLM2's shapes.
 // Threads: the tasks are shared out in chunks (about 8 per thread) through
@@ -29,6 +30,7 @@
 #endif
 
 #include "thread_pool.h"
+#include "weight_prefetch.h"
 
 #ifdef PR_DPBF16
 namespace {
@@ -42,7 +44,7 @@ constexpr int64_t PF = 32;  // pairs prefetched ahead (PF * 256 bytes of a full 
 // group (w: its first pair here, `nc_all` blocks wide). Sums start from `part`
 // ([MR][64] floats) when `resume`, else zero; they end in y (row stride y_ts,
 // rounded to bfloat16) when `last`, else back in `part`.
-template <int MR, int NC>
+template <int MR, int NC, bool L2>
 void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t nc_all, int64_t npairs, uint16_t* y,
            int64_t y_ts, float* part, bool resume, bool last) {
   __m512 acc[MR][NC];
@@ -51,8 +53,7 @@ void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t nc_all, i
   const int64_t wstep = 32 * nc_all;
   for (int64_t kp = 0; kp < npairs; ++kp) {
     const uint16_t* wk = w + kp * wstep;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep), _MM_HINT_T0);
-    if (NC > 2) _mm_prefetch(reinterpret_cast<const char*>(wk + PF * wstep + 64), _MM_HINT_T0);
+    pr::prefetch_lines<L2, NC>(wk + PF * wstep);
     __m512bh wv[NC];
     for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wk + c * 32);
     for (int i = 0; i < MR; ++i) {
@@ -74,26 +75,29 @@ void micro(const uint16_t* x, int64_t x_ts, const uint16_t* w, int64_t nc_all, i
 using Micro = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, float*, bool,
                        bool);
 
-template <int NC>
+template <int NC, bool L2>
 Micro pick_rows(int mr) {
   switch (mr) {
-    case 1: return micro<1, NC>;
-    case 2: return micro<2, NC>;
-    case 3: return micro<3, NC>;
-    case 4: return micro<4, NC>;
-    case 5: return micro<5, NC>;
-    default: return micro<6, NC>;
+    case 1: return micro<1, NC, L2>;
+    case 2: return micro<2, NC, L2>;
+    case 3: return micro<3, NC, L2>;
+    case 4: return micro<4, NC, L2>;
+    case 5: return micro<5, NC, L2>;
+    default: return micro<6, NC, L2>;
   }
 }
 
-Micro pick(int mr, int nc) {
+template <bool L2>
+Micro pick_cols(int mr, int nc) {
   switch (nc) {
-    case 1: return pick_rows<1>(mr);
-    case 2: return pick_rows<2>(mr);
-    case 3: return pick_rows<3>(mr);
-    default: return pick_rows<4>(mr);
+    case 1: return pick_rows<1, L2>(mr);
+    case 2: return pick_rows<2, L2>(mr);
+    case 3: return pick_rows<3, L2>(mr);
+    default: return pick_rows<4, L2>(mr);
   }
 }
+
+Micro pick(int mr, int nc, bool l2) { return l2 ? pick_cols<true>(mr, nc) : pick_cols<false>(mr, nc); }
 
 struct Call {
   const uint16_t* x;
@@ -101,6 +105,7 @@ struct Call {
   const uint16_t* wp;
   uint16_t* y;
   int64_t y_ts, M, nblocks, npairs, per_chunk;
+  bool l2;   // prefetch into L2 (else L1)
 };
 
 // Tasks [chunk * per_chunk, ...): each one group of up to NC_MAX blocks, every row.
@@ -122,7 +127,7 @@ void run_chunk(void* ctx, int64_t chunk, int) {
       for (int64_t m0 = 0; m0 < c.M; m0 += MR_MAX) {
         const int mr = int(std::min<int64_t>(c.M - m0, MR_MAX));
         float* pm = part + (kc < c.npairs ? m0 * 64 : 0);
-        pick(mr, nc)(c.x + m0 * c.x_ts + 2 * k0, c.x_ts, w + k0 * 32 * nc, nc, nk, c.y + m0 * c.y_ts + nb0 * 16,
+        pick(mr, nc, c.l2)(c.x + m0 * c.x_ts + 2 * k0, c.x_ts, w + k0 * 32 * nc, nc, nk, c.y + m0 * c.y_ts + nb0 * 16,
                      c.y_ts, pm, resume, last);
       }
     }
@@ -132,6 +137,11 @@ void run_chunk(void* ctx, int64_t chunk, int) {
 #endif
 
 extern "C" {
+
+// Where the pool's bfloat16 linears prefetch their weights (weight_prefetch.h): 0 L1, 1 L2;
+// returns the previous level.
+int pr_set_linear_prefetch(int l2) { return pr::weight_prefetch_l2.exchange(l2 ? 1 : 0); }
+int pr_linear_prefetch() { return pr::weight_prefetch_to_l2() ? 1 : 0; }
 
 // 1 when the AVX512_BF16 linear is compiled in (not PR_PORTABLE, the build CPU has it), else 0.
 int pr_dpbf16_available() {
@@ -166,7 +176,7 @@ int pr_dpbf16_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, u
                           int64_t M, int64_t N, int64_t K) {
 #ifdef PR_DPBF16
   if (M < 1 || N % 16 || K % 2) return 1;
-  Call c{x, x_ts, wp, y, y_ts, M, N / 16, K / 2, 0};
+  Call c{x, x_ts, wp, y, y_ts, M, N / 16, K / 2, 0, pr::weight_prefetch_to_l2()};
   const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
   const int64_t threads = N * K >= 65536 ? pr::pool_helpers() + 1 : 1;
   c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (8 * threads)) : ntasks;

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polyrunner.backends.cpu import envs, kernel_table
+from polyrunner.backends.cpu import envs, kernel_table, linear_prefetch
 from polyrunner.backends.cpu.row_linear import RowLinear
 
 Shape = tuple[int, int]
@@ -55,7 +55,9 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 def planned(weights: dict[Shape, list[torch.Tensor]], hint: int, threads: int, limit: int,
             align: Sequence[int] = ()) -> tuple[dict[Shape, tuple[str, ...]], str]:
-    """`kernel_table.plans(...)` and the report (kernel table) it made."""
+    """`kernel_table.plans(...)` and the report (kernel table) it made, timed (where not cached) and
+    run at the prefetch level `linear_prefetch.choose` sets."""
+    linear_prefetch.choose(threads)
     before = len(kernel_table.reports)
     plans = kernel_table.plans(weights, hint, threads, limit, align)
     return plans, "\n".join(kernel_table.reports[before:])
