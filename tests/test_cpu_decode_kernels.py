@@ -23,7 +23,7 @@ def _dpbf16(lib):
                     "AVX512F + AVX512_BF16 (oneDNN runs the linears there)")
 
 
-@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13, 16, 33, 64])
+@pytest.mark.parametrize("M", [1, 2, 5, 6, 7, 13, 16, 33, 64, 100])   # 33+: rows split in two where groups are few
 @pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (960, 576), (80, 96), (576, 1536), (4096, 576)])
 def test_dpbf16_linear_matches_matmul(cpu_kernels, pool_threads, M, N, K):
     _dpbf16(cpu_kernels)

@@ -37,6 +37,7 @@ namespace {
 constexpr int MR_MAX = 6, NC_MAX = 4;
 constexpr int64_t KC = 128, KB_MAX_M = 64;  // K slices (pairs) for M in (MR_MAX, KB_MAX_M]
 constexpr int64_t PF = 32;  // pairs prefetched ahead (PF * 256 bytes of a full group)
+constexpr int64_t ROW_SPLIT_M = 32;  // rows from which a group's rows may be split between two tasks
 
 // rows [0, MR) of x (row stride x_ts) times NC column blocks starting at `w`
 // (block stride bstride elements) -> y (row stride y_ts), columns [0, 16 * NC).
@@ -105,27 +106,31 @@ struct Call {
   const uint16_t* wp;
   uint16_t* y;
   int64_t y_ts, M, nblocks, npairs, per_chunk;
-  bool l2;   // prefetch into L2 (else L1)
+  bool l2;         // prefetch into L2 (else L1)
+  int64_t mparts;  // row parts per group (2: a task is a group x half of the rows)
 };
 
-// Tasks [chunk * per_chunk, ...): each one group of up to NC_MAX blocks, every row.
+// Tasks [chunk * per_chunk, ...): each one group of up to NC_MAX blocks times every row, or
+// (mparts 2) times half of them: the halves of a group are neighbouring tasks, so two threads
+// take them together and the group streams from memory once.
 // More than MR_MAX rows: the group's pairs go in slices of KC (64 columns x KC pairs
 // = 32 KiB, in L1) with every row pass over a slice before the next, sums kept in `part`.
 void run_chunk(void* ctx, int64_t chunk, int) {
   const Call& c = *static_cast<const Call*>(ctx);
-  const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
+  const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX * c.mparts;
   const int64_t t1 = std::min(ntasks, (chunk + 1) * c.per_chunk);
   const int64_t kc = c.M > MR_MAX && c.M <= KB_MAX_M ? KC : c.npairs;
   alignas(64) float part[KB_MAX_M * 64];
   for (int64_t t = chunk * c.per_chunk; t < t1; ++t) {
-    const int64_t nb0 = t * NC_MAX;
+    const int64_t nb0 = t / c.mparts * NC_MAX, half = t % c.mparts;
+    const int64_t r0 = c.M * half / c.mparts, r1 = c.M * (half + 1) / c.mparts;
     const int nc = int(std::min<int64_t>(c.nblocks - nb0, NC_MAX));
     const uint16_t* w = c.wp + nb0 * 32 * c.npairs;
     for (int64_t k0 = 0; k0 < c.npairs; k0 += kc) {
       const int64_t nk = std::min(kc, c.npairs - k0);
       const bool resume = k0 > 0, last = k0 + nk >= c.npairs;
-      for (int64_t m0 = 0; m0 < c.M; m0 += MR_MAX) {
-        const int mr = int(std::min<int64_t>(c.M - m0, MR_MAX));
+      for (int64_t m0 = r0; m0 < r1; m0 += MR_MAX) {
+        const int mr = int(std::min<int64_t>(r1 - m0, MR_MAX));
         float* pm = part + (kc < c.npairs ? m0 * 64 : 0);
         pick(mr, nc, c.l2)(c.x + m0 * c.x_ts + 2 * k0, c.x_ts, w + k0 * 32 * nc, nc, nk, c.y + m0 * c.y_ts + nb0 * 16,
                      c.y_ts, pm, resume, last);
@@ -176,9 +181,13 @@ int pr_dpbf16_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, u
                           int64_t M, int64_t N, int64_t K) {
 #ifdef PR_DPBF16
   if (M < 1 || N % 16 || K % 2) return 1;
-  Call c{x, x_ts, wp, y, y_ts, M, N / 16, K / 2, 0, pr::weight_prefetch_to_l2()};
-  const int64_t ntasks = (c.nblocks + NC_MAX - 1) / NC_MAX;
+  const int64_t groups = (N / 16 + NC_MAX - 1) / NC_MAX;
   const int64_t threads = N * K >= 65536 ? pr::pool_helpers() + 1 : 1;
+  // compute-bound row counts with few groups (e.g. 9 for 576 outputs: 5 vs 4 on two threads) also
+  // split the rows in two; fewer rows stream the weights, which one pass over each group serves best
+  const int64_t mparts = threads > 1 && M >= ROW_SPLIT_M && groups < 8 * threads ? 2 : 1;
+  Call c{x, x_ts, wp, y, y_ts, M, N / 16, K / 2, 0, pr::weight_prefetch_to_l2(), mparts};
+  const int64_t ntasks = groups * mparts;
   c.per_chunk = threads > 1 ? std::max<int64_t>(1, ntasks / (8 * threads)) : ntasks;
   pr::parallel_for(threads > 1 ? (ntasks + c.per_chunk - 1) / c.per_chunk : 1, run_chunk, &c);
   return 0;
