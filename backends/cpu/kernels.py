@@ -58,7 +58,8 @@ SOURCES += [Path(__file__).with_name("lora_kernel.cpp")]  # the "lora" role's on
 SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 linear (no AVX512_BF16)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
-           Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h")]
+           Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h"),
+           Path(__file__).with_name("micro_pick.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -28,6 +28,7 @@
 #endif
 
 #include "thread_pool.h"
+#include "micro_pick.h"
 #include "weight_prefetch.h"
 #include "widen_dot.h"
 
@@ -90,29 +91,12 @@ void micro(const float* x, int64_t x_ts, const uint16_t* w, int64_t wstep, int64
 using Micro = void (*)(const float*, int64_t, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t, int, float*,
                        bool, bool);
 
-template <int NC, bool L2>
-Micro pick_rows(int mr) {
-  switch (mr) {
-    case 1: return micro<1, NC, L2>;
-    case 2: return micro<2, NC, L2>;
-    case 3: return micro<3, NC, L2>;
-    case 4: return micro<4, NC, L2>;
-    case 5: return micro<5, NC, L2>;
-    default: return micro<6, NC, L2>;
-  }
-}
+template <int MR, int NC, bool L2>
+struct Avx512Micro {
+  static constexpr Micro fn = micro<MR, NC, L2>;
+};
 
-template <bool L2>
-Micro pick_cols(int mr, int nc) {
-  switch (nc) {
-    case 1: return pick_rows<1, L2>(mr);
-    case 2: return pick_rows<2, L2>(mr);
-    case 3: return pick_rows<3, L2>(mr);
-    default: return pick_rows<4, L2>(mr);
-  }
-}
-
-Micro pick(int mr, int nc, bool l2) { return l2 ? pick_cols<true>(mr, nc) : pick_cols<false>(mr, nc); }
+Micro pick(int mr, int nc, bool l2) { return pr::pick_micro<Avx512Micro>(mr, nc, l2); }
 
 struct Call {
   const float* x;   // [M, K2] float32
