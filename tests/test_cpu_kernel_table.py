@@ -84,9 +84,9 @@ def test_measure_times_pool_kernels_apart_from_onednn_and_rechecks_what_a_burst_
         return run
     real_turns = kernel_table.time_in_turns
 
-    def spy_turns(fns, per_call=None, repeats=kernel_table.REPEATS, warm=True):
+    def spy_turns(fns, per_call=None, repeats=kernel_table.REPEATS):
         groups.append(set(fns))
-        return real_turns(fns, per_call, repeats, warm)
+        return real_turns(fns, per_call, repeats)
     monkeypatch.setattr(kernel_table, "runner", fake_runner)
     monkeypatch.setattr(kernel_table, "pack", lambda kernel, w, hint: w)
     monkeypatch.setattr(kernel_table, "time_in_turns", spy_turns)

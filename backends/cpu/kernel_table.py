@@ -159,17 +159,16 @@ def pool_prefix(choices: Sequence[str]) -> int:
 
 # ---- measuring ----------------------------------------------------------------------
 def time_in_turns(calls: dict[str, Callable[[], object]], per_call: dict[str, int] | None = None,
-                  repeats: int = REPEATS, warm: bool = True) -> dict[str, float]:
+                  repeats: int = REPEATS) -> dict[str, float]:
     """us per call of each of `calls` (name -> a function doing `per_call[name]` calls, default 1): the
     functions take turns within each of `repeats` repeats after one warm pass (first touch, threads
-    awake; `warm=False`: none), so a burst of load elsewhere on a shared host hits them alike; the
-    fastest repeat counts."""
+    awake), so a burst of load elsewhere on a shared host hits them alike; the fastest repeat counts."""
     best = {name: math.inf for name in calls}
-    for rep in range(repeats + int(warm)):
+    for rep in range(repeats + 1):
         for name, fn in calls.items():
             start = time.perf_counter()
             fn()
-            if rep or not warm:
+            if rep:
                 best[name] = min(best[name], (time.perf_counter() - start) / (per_call or {}).get(name, 1) * 1e6)
     return best
 

@@ -10,7 +10,8 @@
 // broadcast pair (x[m][2kp], x[m][2kp + 1]) adds it into 16 fp32 sums.
 //
 // Register blocking: up to 6 rows x 4 column blocks of accumulators; a task is
-// one group (64 output features) over every row, so what a task streams from
+// one group (64 output features) over every row (from ROW_SPLIT_M rows, for shapes
+// with few groups, over half of them), so what a task streams from
 // memory (prefetched PF pairs ahead, every line of them, into L1 or L2 as measured fastest
 // on this machine: weight_prefetch.h) is reused by its later row passes: above 6
 // rows the group's pairs go in slices of 128 (32 KiB, in L1), every row pass over
