@@ -40,6 +40,12 @@ true) and `examples/minimal_plugin.py` for a whole plugin in one page.
   `FullGraphBucketPolicy`, the graph modes `FULL`, `FULL_DECODE_ONLY`, `NONE` (vLLM's `cudagraph_mode`
   names) with `requested_graph_mode` and `resolve_graph_mode`,
   `profiled_kv_budget` (with `worst_case_profile`), `pinned_upload`, `async_to_host`;
+- the capture guard: `capture_guard(device)` refuses host syncs (`HostSyncError`) while a
+  step is captured or traced (the core's graph executor enters it around every capture; a
+  backend tracing its own graphs enters it there), `host_tensor(t)` declares host-side data an
+  op reads on the host by design, `in_static_step()` says a step is being captured or compiled;
+  `TapeGraph` / `TapeGraphAPI`: stream graphs emulated on the CPU (capture records the ops,
+  replay re-executes the record), to test a plugin's captured steps without its device;
 - sampling: `SamplingMetadata` (the step's tensors; `host_rows()` gives the
   rows' parameters as host arrays), `HostSamplingRows`, `SamplerOutput`, the
   core `Sampler` and its pieces (`compute_logprobs`, `gather_logprobs`,
@@ -73,6 +79,7 @@ from polyrunner.device.backend import (
     ModelInputs,
 )
 from polyrunner.device.buckets import BucketPolicy, capture_sizes, exponential_sizes, gap_incremental_sizes
+from polyrunner.device.capture_guard import HostSyncError, capture_guard, host_tensor, in_static_step
 from polyrunner.device.graphs import (
     FULL,
     FULL_DECODE_ONLY,
@@ -92,6 +99,7 @@ from polyrunner.device.graphs import (
     worst_case_profile,
 )
 from polyrunner.device.kv_spec import KVCacheSpec
+from polyrunner.device.tape_graph import TapeGraph, TapeGraphAPI
 from polyrunner.envs import cache_root, declare
 from polyrunner.models.context_length import resolved_max_model_len
 from polyrunner.numeric import cdiv, round_up
@@ -161,4 +169,6 @@ __all__ = [
     "FullGraphBucketPolicy", "FULL", "FULL_DECODE_ONLY", "NONE", "requested_graph_mode", "resolve_graph_mode",
     "profiled_kv_budget",
     "pinned_upload", "async_to_host", "worst_case_profile",
+    # the capture guard (no host sync inside a captured or compiled step) and CPU-emulated graphs
+    "capture_guard", "HostSyncError", "host_tensor", "in_static_step", "TapeGraph", "TapeGraphAPI",
 ]

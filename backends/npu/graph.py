@@ -23,7 +23,14 @@ import numpy as np
 import torch
 
 from polyrunner.backends.npu.device import npu_module
-from polyrunner.plugin_api import FULL, FULL_DECODE_ONLY, ModelInputs, StaticGraphExecutor, TorchGraphAPI
+from polyrunner.plugin_api import (
+    FULL,
+    FULL_DECODE_ONLY,
+    ModelInputs,
+    StaticGraphExecutor,
+    TorchGraphAPI,
+    host_tensor,
+)
 
 PAGED_ATTENTION = "_npu_paged_attention"
 FUSED_ATTENTION = "npu_fused_infer_attention_score"
@@ -75,7 +82,7 @@ def host_context_lens(seq_lens: np.ndarray, rows: int) -> torch.Tensor:
     lens = np.ones(rows, np.int32)
     n = min(rows, len(seq_lens))
     lens[:n] = np.maximum(seq_lens[:n], 1)
-    return torch.from_numpy(lens)
+    return host_tensor(torch.from_numpy(lens))
 
 
 def launch(tnpu: Any, op_name: str, kwargs: dict[str, Any]) -> Any:

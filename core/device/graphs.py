@@ -14,6 +14,8 @@ imports a device library.
   after copying the step's inputs in. FULL_DECODE_ONLY: decode graphs keyed by
   the padded batch size; FULL: also mixed graphs keyed by the padded token count
   (needs a length-adaptive attention, else it falls back to FULL_DECODE_ONLY).
+  Every capture runs under the capture guard (`capture_guard.py`): a host sync in
+  the step fails the capture with `HostSyncError`, on the CPU as on the device.
   Fallback order FULL -> FULL_DECODE_ONLY -> eager per step, counted by reason
   (`counters()`). A failed capture is a RuntimeError (run with enforce_eager /
   cudagraph_mode="NONE" to have no graphs). With a length-adaptive attention
@@ -43,6 +45,7 @@ import torch
 
 from polyrunner.device.backend import GraphExecutor, HostFuture, ModelInputs
 from polyrunner.device.buckets import BucketPolicy
+from polyrunner.device.capture_guard import HostSyncError, capture_guard
 from polyrunner.device.graph_buckets import (
     FULL,
     FULL_DECODE_ONLY,
@@ -226,6 +229,9 @@ class StaticGraphExecutor(GraphExecutor):
             self.graphs.clear()
             self.mixed_graphs.clear()
             self._static = self._pool = None
+            if isinstance(exc, HostSyncError):   # a bug in the step's code, not a resource limit
+                raise HostSyncError(f"{self.api.name}: capturing the {kind} graph for {T} tokens ({R} requests) "
+                                    f"failed: {exc}. To run without graphs pass enforce_eager=True") from exc
             raise RuntimeError(
                 f"{self.api.name}: capturing the {kind} graph for {T} tokens ({R} requests) failed: "
                 f"{self.api.explain(exc)}. To run without graphs pass enforce_eager=True (or "
@@ -305,7 +311,8 @@ class StaticGraphExecutor(GraphExecutor):
         for _ in range(self.num_warmups):
             forward()
         self.api.synchronize()
-        replay, out = self.api.capture(forward, self._pool)
+        with capture_guard(st.input_ids.device):   # no host sync may reach the graph (capture_guard.py)
+            replay, out = self.api.capture(forward, self._pool)
         (self.graphs if kind == DECODE else self.mixed_graphs)[T] = _Graph(replay, out, R)
         return out
 

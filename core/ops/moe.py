@@ -2,7 +2,9 @@
 
 `select_experts` routes each token to `top_k` of the experts by its router logits;
 `fused_experts` runs every token through its experts' gated MLPs and sums their outputs by
-the routing weights. `fused_experts` is THE functional interface a device override
+the routing weights. Inside a captured or compiled step (`in_static_step()`) it takes a
+fixed-shape path with no host read (`static_fused_experts`): a graph cannot hold the grouped
+path's per-expert counts, which are read on the host. `fused_experts` is THE functional interface a device override
 implements (a grouped GEMM, a Triton fused-MoE kernel): the same arguments, the same result.
 The router itself (an `nn.Linear` hidden -> experts) stays outside `FusedMoE`, in the model's
 sparse block, so the "linear" role can replace it.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polyrunner.device.capture_guard import in_static_step
 from polyrunner.ops.gated_mlp import silu_and_mul
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -46,7 +49,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     x `[T, H]`; w13 `[E, 2I, H]` (gate rows, then up rows); w2 `[E, H, I]`; topk_weights
     `[T, k]` float32; topk_ids `[T, k]` int32. The reference groups the `T * k` (token, expert)
     pairs by expert once (a stable sort), runs one matmul pair per expert that received tokens
-    and sums the weighted rows back per token in float32 (`index_add_`)."""
+    and sums the weighted rows back per token in float32 (`index_add_`). In a captured or
+    compiled step: `static_fused_experts`, the same sums in the same order."""
+    if in_static_step():
+        return static_fused_experts(x, w13, w2, topk_weights, topk_ids)
     tokens, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)                        # pairs grouped by expert
@@ -63,6 +69,24 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     weighted = ys.float() * topk_weights.reshape(-1)[order].float().unsqueeze(-1)
     out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_of, weighted).to(x.dtype)
+
+
+def static_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` with fixed shapes and no host read, for captured and compiled steps:
+    every expert's MLP runs over every token and is summed by the token's routing weight for it
+    (0 where the token is not routed there), experts in ascending order as the grouped path sums
+    them. Costs num_experts / top_k times the routed work: device kernels (the "moe" role's
+    overrides) are what serve large mixtures; this keeps the reference correct inside graphs."""
+    tokens, experts = x.shape[0], w13.shape[0]
+    combine = torch.zeros(tokens, experts, dtype=torch.float32, device=x.device)
+    combine.scatter_(1, topk_ids.long(), topk_weights.float())
+    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    for expert in range(experts):   # a loop over experts (fixed), never over tokens
+        weight = combine[:, expert:expert + 1]
+        y = silu_and_mul(x @ w13[expert].t()) @ w2[expert].t()
+        out += torch.where(weight > 0, y.float() * weight, 0.0)   # 0, not 0 * inf, off the route
+    return out.to(x.dtype)
 
 
 ROLE_ATTRIBUTES = ("num_experts", "top_k", "intermediate", "renormalize", "scoring", "w13_weight", "w2_weight")
