@@ -3,18 +3,22 @@
 On a CPU-only machine this checks the probe, the bucket policy, the SDPA
 paged-attention fast path against `reference_paged_attention`, and the
 static-buffer graph executor end to end through the engine with a simulated
-graph API (replay re-runs the captured function on the static buffers).
+graph API (`SimGraphAPI`: a capture records the ops, a replay re-executes the record
+on the static buffers, under the core's capture guard).
 Tests marked `needs_cuda` run the same checks with real CUDA graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import sys
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from polyrunner.attention.batched import STATIC_DECODE, paged_decode, sdpa_paged_attention
 from polyrunner.attention.metadata import AttentionMetadata, LayerSpec
@@ -22,7 +26,8 @@ from polyrunner.attention.reference import reference_paged_attention
 from polyrunner.backends.cpu.plugin import CPUBackend
 from polyrunner.backends.cuda.plugin import CUDABackend
 from polyrunner.config import EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from polyrunner.device.graphs import GraphAPI, GraphBucketPolicy, StaticGraphExecutor, graph_bucket_policy
+from polyrunner.device.graphs import GraphBucketPolicy, StaticGraphExecutor, graph_bucket_policy
+from polyrunner.device.tape_graph import TapeGraph, TapeGraphAPI, Task
 from polyrunner.plugins import hookimpl, list_backends, register
 from polyrunner.plugins.manager import unregister
 from polyrunner.tools.conformance.tiny_llama import write_tiny_llama as conformance_tiny_llama
@@ -206,26 +211,53 @@ def test_fast_path_low_precision_close_to_reference():
 
 
 # ---- the graph executor through the engine (simulated graphs on CPU) ---------------
-class SimGraphAPI(GraphAPI):
-    """CPU stand-in for CUDA graphs: replay re-runs the captured function, which
-    reads only the static buffers and writes the static output."""
+class SimGraphAPI(TapeGraphAPI):
+    """CPU stand-in for CUDA graphs: a capture records the step's ops, a replay re-executes
+    the record on the static buffers (`TapeGraph`), never the Python; every capture runs under
+    the core's capture guard, so a host sync fails here as on the device. A Triton kernel
+    launched under Triton's interpreter is recorded as one task (`_record_triton_launches`),
+    as a CUDA graph records a kernel. `fail`: every capture fails as an out-of-memory or an
+    unsupported op would."""
 
     name = "sim graphs"
 
     def __init__(self, fail: bool = False) -> None:
-        self.fail, self.captures, self.replays = fail, 0, 0
+        super().__init__()
+        self.fail = fail
 
     def capture(self, fn, pool):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing (simulated)")
-        self.captures += 1
-        out = fn()
+        with _record_triton_launches():
+            return super().capture(fn, pool)
 
-        def replay() -> None:
-            self.replays += 1
-            out.copy_(fn())
 
-        return replay, out
+@contextlib.contextmanager
+def _record_triton_launches():
+    """While a `TapeGraph` captures: each launch of an interpreted Triton kernel runs once with
+    every dispatch mode off (the interpreter's host copies are not the kernel's work) and joins
+    the tape as one task over the same tensors and the same host arguments."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is None:
+        yield
+        return
+    launch = interpreter.GridExecutor.__call__
+
+    def recorded(executor, *args, **kwargs):
+        graph = TapeGraph.capturing
+        if graph is None:
+            return launch(executor, *args, **kwargs)
+        run = functools.partial(launch, executor)
+        with _disable_current_modes():
+            run(*args, **kwargs)
+        graph.record(Task(run, args, kwargs))
+        return None
+
+    interpreter.GridExecutor.__call__ = recorded
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor.__call__ = launch
 
 
 class SimGraphBackend(CPUBackend):

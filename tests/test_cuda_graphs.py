@@ -1,7 +1,7 @@
 """Graph keying, capture sizes, counters and the worst-case memory profile.
 
-CPU-only: graphs are simulated (`SimGraphAPI` in test_cuda_backend: replay
-re-runs the captured function on the static buffers). The Triton case runs
+CPU-only: graphs are simulated (`SimGraphAPI` in test_cuda_backend: a replay
+re-executes the ops recorded at capture on the static buffers). The Triton case runs
 the kernels under Triton's interpreter and skips where triton is missing.
 """
 

@@ -139,8 +139,8 @@ class _Ops(TorchDispatchMode):
                 raise _refuse(f"{packet.__name__}", "its output shape depends on tensor values")
             if packet in _MASK_INDEXING and _bool_index(args):
                 raise _refuse("indexing with a boolean mask", "its output shape depends on tensor values")
-            if self._upload(packet, args, kwargs):
-                raise _refuse("a host-to-device copy", "an upload does not belong in a graph")
+        if self._upload(packet, args, kwargs):
+            raise _refuse("a host-to-device copy", "an upload does not belong in a graph")
         if kwargs.get("pin_memory") or packet is aten._pin_memory:
             raise _refuse(f"{packet.__name__}(pin_memory=True)", "it allocates pinned host memory")
         out = func(*args, **kwargs)
