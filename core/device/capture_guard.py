@@ -111,11 +111,11 @@ def _targets_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return target is not None and torch.device(target).type == "cpu"
 
 
-class _Ops(TorchDispatchMode):
+class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Every op the step runs: scalar reads, data-dependent shapes, allocations and uploads."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.device = device
 
     @classmethod

@@ -59,9 +59,9 @@ class Task:
         write_back(self.out, self.fn(*self.args, **self.kwargs))
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, graph: TapeGraph) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.graph = graph
 
     @classmethod
@@ -91,11 +91,11 @@ class TapeGraph:
         self.tape = []
         TapeGraph.capturing = self
         self._recorder = _Recorder(self)
-        self._recorder.__enter__()
+        self._recorder.__enter__()  # type: ignore[no-untyped-call]
 
     def capture_end(self) -> None:
         assert self._recorder is not None and TapeGraph.capturing is self
-        self._recorder.__exit__(None, None, None)
+        self._recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         TapeGraph.capturing, self._recorder = None, None
 
     def record(self, task: Task) -> None:
