@@ -12,4 +12,4 @@ check() { echo "+ $*"; "$@"; }
 
 check env PYTHONPATH="tests/npu_double${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m polyrunner backends
 check env PYTHONPATH="tests/npu_double${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m polyrunner conformance --backend npu
-check "$PY" -m pytest -q tests/test_npu_backend.py tests/test_npu_double.py
+check "$PY" -m pytest -q tests/test_npu_backend.py tests/test_npu_double.py tests/test_npu_double_rules.py tests/test_npu_capture.py

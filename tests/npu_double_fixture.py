@@ -1,6 +1,7 @@
 """The `npu_double` fixture: the torch_npu test double (tests/npu_double) imported for one test,
-then removed (sys.modules, `torch.npu`, transformers' cached availability), so other tests see
-no torch_npu. Build Hugging Face models before it (transformers would take the double for torch_npu)."""
+then removed (sys.modules, `torch.npu`, transformers' cached availability, a memory meter left
+running), so other tests see no torch_npu and the next gets a fresh double. Build Hugging Face
+models before it (transformers would take the double for torch_npu)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ DOUBLE_PATH = str(Path(__file__).parent / "npu_double")
 
 
 def _forget() -> None:
+    memory = sys.modules.get("torch_npu._memory")
+    if memory is not None:
+        memory.MEMORY.stop()   # a peak meter a failed profile left metering
     for name in [m for m in sys.modules if m == "torch_npu" or m.startswith("torch_npu.")]:
         del sys.modules[name]
     if hasattr(torch, "npu"):

@@ -89,6 +89,41 @@ def test_declarations():
     assert graph_bucket_policy(cfg).token_buckets == [1, 2, 4, 8, 16, 24, 32, 40, 48]
     hint = explain_capture_error(RuntimeError("capture failed, retCode=0x7020023, ..."))
     assert "insufficient streams" in hint
+    assert caps.dtypes == (torch.bfloat16, torch.float16)
+
+
+# ---- what torch_npu's ops take, refused at start-up ------------------------------------------------
+def test_limits_name_the_field_the_rule_and_the_value():
+    from polyrunner.backends.npu import limits
+    for ok in (128, 256, 384, 512):
+        limits.check_block_size(ok)
+    for bad in (16, 64, 200, 640):
+        with pytest.raises(ValueError, match=rf"block_size={bad} is not supported by backend 'npu'.*128 to 512 "
+                                             r"in steps of 128; allowed: 128, 256, 384, 512"):
+            limits.check_block_size(bad)
+    for ok in (16, 64, 128, 256):
+        limits.check_head_size(ok)
+    for bad in (8, 24, 80 + 8, 272):
+        with pytest.raises(ValueError, match=rf"head_size={bad} is not supported by backend 'npu': .*multiples of "
+                                             r"16 up to 256"):
+            limits.check_head_size(bad)
+    limits.check_dtype(torch.float16)
+    with pytest.raises(ValueError, match=r"dtype=float32 is not supported by backend 'npu'.*allowed: bfloat16, "
+                                         r"float16"):
+        limits.check_dtype(torch.float32)
+    spec = KVCacheSpec(num_layers=1, block_size=128, num_kv_heads=2, head_size=40, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_size=40"):
+        limits.check_kv_spec(spec)
+
+
+def test_adjust_config_sets_and_checks_the_block_size():
+    from polyrunner.config import CacheConfig
+    unset = EngineConfig(model=ModelConfig())
+    NPUBackend.adjust_config(unset)
+    assert unset.cache.block_size == 128
+    NPUBackend.adjust_config(EngineConfig(model=ModelConfig(), cache=CacheConfig(block_size=384)))
+    with pytest.raises(ValueError, match="block_size=16 is not supported by backend 'npu'"):
+        NPUBackend.adjust_config(EngineConfig(model=ModelConfig(), cache=CacheConfig(block_size=16)))
 
 
 # ---- KV layout ---------------------------------------------------------------------

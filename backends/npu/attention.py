@@ -1,15 +1,18 @@
 """Ascend attention through torch_npu, as vllm-ascend runs it (vllm_ascend/attention/attention_v1.py).
 
 - KV write: `_npu_reshape_and_cache` at int32 slots.
-- A decode-only step: `_npu_paged_attention` over the batch, context lengths on the host, the
-  block table cut to the longest context's blocks (a sliding-window layer: the fused op below,
-  which takes the window; vllm-ascend does the same).
-- A step with prefill tokens: ONE `npu_fused_infer_attention_score` call for the whole ragged
-  batch (decodes included): TND layout over the paged cache, host cumulative query ends and KV
-  lengths; sparse_mode 3 (right-down causal) or, for a sliding window, 4 (band: pre_tokens =
-  window - 1), with the 2048 x 2048 mask both modes take. No per-request loop.
-- Decode graphs (`STATIC_DECODE`): the decode op captured in a task group, its context lengths
-  updated before each replay (graph.py). Reads the context's blocks only.
+- A decode-only step: `_npu_paged_attention` over the batch (writes `out=`), context lengths on the
+  host, the block table cut to the longest context's blocks. A sliding-window layer:
+  `npu_fused_infer_attention_score.out` with one query token per request (layout BSND, S = 1); the
+  op ignores sparse modes and pre_tokens for a single query token, so the window is a
+  `[B, 1, 1, KV_S]` mask built on the device from `seq_lens` (a graph recomputes it each replay).
+- A step with prefill tokens: ONE `npu_fused_infer_attention_score` call for the whole ragged batch
+  (decodes included): TND layout over the paged cache, host cumulative query ends and KV lengths,
+  sparse_mode 3 (right-down causal) with the 2048 x 2048 mask. TND takes sparse modes 0 and 3 only,
+  so a sliding-window layer packs the batch's queries into BSND (`[R, S, heads, D]`, one gather
+  and one scatter by host-built indices) and runs sparse_mode 4 (band: pre_tokens = window - 1).
+- Decode graphs (`STATIC_DECODE`): each decode op is captured in a task group with its workspace,
+  behind an ExternalEvent, and updated before each replay (graph.py). Reads the context's blocks only.
 - The per-step tensors every layer needs (int32 slots, host lengths, the block table's used
   columns) are built once per step (`step_tensors`, cached in `meta.extras`).
 
@@ -25,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrunner.backends.npu import graph
@@ -32,6 +36,7 @@ from polyrunner.backends.npu.device import device_type, npu_module
 from polyrunner.plugin_api import STATIC_DECODE, AttentionMetadata, LayerSpec, sdpa_paged_attention
 
 NPU_STEP = "npu_step"        # meta.extras key of the step's `StepTensors`
+NPU_PACKING = "npu_bsnd"     # meta.extras key of the step's `Packing`
 MASK_SIZE = 2048             # npu_fused_infer_attention_score's compressed mask for sparse_mode 2/3/4
 
 
@@ -46,6 +51,17 @@ class StepTensors:
     kv_lens: list[int]             # context lengths (actual_seq_lengths_kv)
     decode_only: bool
     captured: bool                 # built while a graph was captured (a warm-up's tensors are not reused)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A ragged batch as BSND rows: token t is row `scatter[t]` of `[R * S]`; row r is token `gather[r]`
+    (rows past a request's queries repeat token 0, which the op reads past its lengths only)."""
+
+    gather: torch.Tensor     # int64 [R * S], device
+    scatter: torch.Tensor    # int64 [T], device
+    query_lens: list[int]
+    S: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +96,25 @@ def step_tensors(meta: AttentionMetadata, block_size: int) -> StepTensors:
     return step
 
 
+def packing(meta: AttentionMetadata) -> Packing:
+    """This step's BSND packing (eager steps with prefill tokens), built once per step."""
+    cached: Packing | None = meta.extras.get(NPU_PACKING)
+    if cached is not None:
+        return cached
+    R, T = meta.num_reqs, meta.num_actual_tokens
+    starts = meta.query_start_loc_np[:R + 1].astype(np.int64)
+    lens = np.diff(starts)
+    S = int(lens.max())
+    req = np.repeat(np.arange(R), lens)
+    scatter = req * S + np.arange(T) - starts[req]
+    gather = np.zeros(R * S, np.int64)
+    gather[scatter] = np.arange(T)
+    device = meta.slot_mapping.device
+    pack = Packing(torch.from_numpy(gather).to(device), torch.from_numpy(scatter).to(device), lens.tolist(), S)
+    meta.extras[NPU_PACKING] = pack
+    return pack
+
+
 def npu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                         meta: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
     """`Backend.attention` on torch_npu (module docstring); `[T_pad, Hq, D]`."""
@@ -91,32 +126,80 @@ def npu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
     step = step_tensors(meta, key_cache.shape[1])
     tnpu._npu_reshape_and_cache(key=k.contiguous(), value=v.contiguous(), key_cache=key_cache,
                                 value_cache=value_cache, slot_indices=step.slots)
-    if step.decode_only and spec.sliding_window is None:
+    if step.decode_only:
         rows = step.block_table.shape[0]   # the step's requests (a graph's batch size)
         out = torch.empty_like(q)
         out[rows:] = 0
-        graph.launch(tnpu, graph.PAGED_ATTENTION, dict(
-            query=q[:rows].contiguous(), key_cache=key_cache, value_cache=value_cache,
-            num_kv_heads=spec.num_kv_heads, num_heads=spec.num_heads, scale_value=spec.scale,
-            block_table=step.block_table, context_lens=step.context_lens, out=out[:rows]))
+        if spec.sliding_window is None:
+            graph.launch(tnpu, graph.PAGED_ATTENTION, dict(
+                query=q[:rows].contiguous(), key_cache=key_cache, value_cache=value_cache,
+                num_kv_heads=spec.num_kv_heads, num_heads=spec.num_heads, scale_value=spec.scale,
+                block_table=step.block_table, context_lens=step.context_lens, out=out[:rows]))
+        else:
+            out[:rows] = windowed_decode(tnpu, q[:rows], key_cache, value_cache, meta, spec, step)
         return out
-    return fused_attention(tnpu, q, key_cache, value_cache, meta, spec, step)
+    if spec.sliding_window is None:
+        return fused_prefill(tnpu, q, key_cache, value_cache, meta, spec, step)
+    return windowed_prefill(tnpu, q, key_cache, value_cache, meta, spec, step)
 
 
-def fused_attention(tnpu: Any, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    meta: AttentionMetadata, spec: LayerSpec, step: StepTensors) -> torch.Tensor:
-    """The whole ragged batch in one `npu_fused_infer_attention_score` call (module docstring)."""
+def _paged_kv(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as the fused op's paged key/value: `[num_blocks, block_size, Hkv * D]`."""
     nb, bs, H, D = key_cache.shape
+    return key_cache.view(nb, bs, H * D), value_cache.view(nb, bs, H * D)
+
+
+def windowed_decode(tnpu: Any, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, spec: LayerSpec, step: StepTensors) -> torch.Tensor:
+    """One query token per request through the fused op's `.out`; the window as a device mask."""
+    assert spec.sliding_window is not None
+    B, Hq, D = q.shape
+    bs = key_cache.shape[1]
+    kv_s = step.block_table.shape[1] * bs
+    lens = meta.seq_lens[:B].clamp(min=1)[:, None]           # padded rows read the null slot
+    kpos = torch.arange(kv_s, device=q.device)[None, :]
+    mask = (kpos >= lens) | (kpos < lens - spec.sliding_window)
+    key, value = _paged_kv(key_cache, value_cache)
+    attn = torch.empty(B, 1, Hq, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(1, dtype=q.dtype, device=q.device)
+    graph.launch(tnpu, graph.FUSED_ATTENTION_OUT, dict(
+        query=q.reshape(B, 1, Hq, D), key=key, value=value, atten_mask=mask.view(B, 1, 1, kv_s),
+        actual_seq_lengths=[1] * B, actual_seq_lengths_kv=step.kv_lens, block_table=step.block_table,
+        num_heads=Hq, scale=spec.scale, input_layout="BSND", num_key_value_heads=spec.num_kv_heads,
+        block_size=bs, out=[attn, lse]))
+    return attn.view(B, Hq, D)
+
+
+def fused_prefill(tnpu: Any, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  meta: AttentionMetadata, spec: LayerSpec, step: StepTensors) -> torch.Tensor:
+    """The whole ragged batch in one TND `npu_fused_infer_attention_score` call, sparse_mode 3."""
     T = meta.num_actual_tokens
-    window = spec.sliding_window
-    attn, _ = graph.launch(tnpu, graph.FUSED_ATTENTION, dict(
-        query=q[:T].contiguous(), key=key_cache.view(nb, bs, H * D), value=value_cache.view(nb, bs, H * D),
-        atten_mask=causal_mask(q.device), actual_seq_lengths=step.query_ends,
+    key, value = _paged_kv(key_cache, value_cache)
+    attn, _ = tnpu.npu_fused_infer_attention_score(
+        q[:T].contiguous(), key, value, atten_mask=causal_mask(q.device), actual_seq_lengths=step.query_ends,
         actual_seq_lengths_kv=step.kv_lens, block_table=step.block_table, num_heads=spec.num_heads,
-        scale=spec.scale, pre_tokens=window - 1 if window is not None else 2147483647, next_tokens=0,
-        input_layout="TND", num_key_value_heads=spec.num_kv_heads, sparse_mode=4 if window is not None else 3,
-        block_size=bs))
+        scale=spec.scale, input_layout="TND", num_key_value_heads=spec.num_kv_heads, sparse_mode=3,
+        block_size=key_cache.shape[1])
     out = torch.empty_like(q)
     out[:T] = attn
+    out[T:] = 0
+    return out
+
+
+def windowed_prefill(tnpu: Any, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     meta: AttentionMetadata, spec: LayerSpec, step: StepTensors) -> torch.Tensor:
+    """A sliding-window layer's ragged batch as BSND rows, sparse_mode 4 (band)."""
+    assert spec.sliding_window is not None
+    T, R = meta.num_actual_tokens, meta.num_reqs
+    _, Hq, D = q.shape
+    pack = packing(meta)
+    key, value = _paged_kv(key_cache, value_cache)
+    attn, _ = tnpu.npu_fused_infer_attention_score(
+        q[:T][pack.gather].view(R, pack.S, Hq, D), key, value, atten_mask=causal_mask(q.device),
+        actual_seq_lengths=pack.query_lens, actual_seq_lengths_kv=step.kv_lens, block_table=step.block_table,
+        num_heads=Hq, scale=spec.scale, pre_tokens=spec.sliding_window - 1, next_tokens=0, input_layout="BSND",
+        num_key_value_heads=spec.num_kv_heads, sparse_mode=4, block_size=key_cache.shape[1])
+    out = torch.empty_like(q)
+    out[:T] = attn.view(R * pack.S, Hq, D)[pack.scatter]
     out[T:] = 0
     return out

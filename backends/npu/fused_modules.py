@@ -20,7 +20,7 @@ from torch import nn
 
 from polyrunner.plugin_api import RMSNormOverride
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FUSED_DTYPES = (torch.float16, torch.bfloat16)   # the backend's dtypes (limits.py)
 
 
 def _tnpu() -> Any:

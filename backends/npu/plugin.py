@@ -9,13 +9,17 @@ it. Either way a failing import or a missing device is reported as the
 reason, never raised.
 
 - Attention (`attention.py`), as vllm-ascend: `_npu_reshape_and_cache`, `_npu_paged_attention`
-  for decode steps, one `npu_fused_infer_attention_score` call per step with prefill tokens
-  (sliding windows included); per-step int32/host tensors built once per step.
+  for decode steps, one `npu_fused_infer_attention_score` call per step with prefill tokens (TND,
+  sparse_mode 3; a sliding window: BSND, sparse_mode 4); per-step int32/host tensors built once per step.
 - Graphs (`graph.py`): FULL_DECODE_ONLY decode graphs over `npu_module().NPUGraph` that hold the
-  paged-attention op itself, its host context lengths updated before each replay (task-group
-  update); one graph per batch size covers every context length.
+  paged-attention op itself, captured with a workspace for the largest context, writing `out=`,
+  behind an ExternalEvent; its host context lengths are updated before each replay on an update
+  stream (task-group update); one graph per batch size covers every context length.
 - Op overrides (`fused_modules.py`): `npu_rms_norm` / `npu_add_rms_norm`, `npu_rotary_mul`, `npu_swiglu`.
-- Block size 128 unless the configuration sets one (`adjust_config`).
+- What the ops take (`limits.py`), refused at start-up with the field, the rule and the value:
+  float16/bfloat16 (`check_dtype`; dtype "auto" on a float32 checkpoint runs the device's default),
+  block sizes 128 to 512 in steps of 128 (`adjust_config`; 128 unless the configuration sets one),
+  head sizes a multiple of 16 up to 256 (with the KV cache's spec).
 - KV: one 2 MiB-aligned raw buffer per layer holding K then V, each half
   padded to 2 MiB (`kv_layout.py`). Caches stay in ND format: a private
   format (FRACTAL_NZ on 310P) could not share the logical 5-D view.
@@ -38,6 +42,7 @@ from polyrunner.backends.npu.device import is_emulated, npu_device, npu_module
 from polyrunner.backends.npu.fused_modules import npu_op_overrides
 from polyrunner.backends.npu.graph import ACLGraphAPI, ACLGraphExecutor, explain_capture_error
 from polyrunner.backends.npu.kv_layout import ALIGNMENT, allocate_split_kv, split_kv_num_blocks
+from polyrunner.backends.npu.limits import DTYPES, check_block_size, check_dtype, check_kv_spec
 from polyrunner.plugin_api import (
     ATTENTION_FEATURES,
     FULL_DECODE_ONLY,
@@ -92,7 +97,7 @@ class NPUBackend(Backend):
 
     name = "npu"
     priority = 90
-    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True,
+    capabilities = Capabilities(graph_mode="acl_graph", static_shapes=False, counts_graphs=True, dtypes=DTYPES,
                                 async_scheduling=True, distributed_backend="hccl", ray_device_key="NPU",
                                 # torch_npu's _npu_paged_attention has no logit soft cap: Gemma 2 is refused
                                 attention_features=ATTENTION_FEATURES - {"logits_soft_cap"})
@@ -110,9 +115,11 @@ class NPUBackend(Backend):
 
     @classmethod
     def adjust_config(cls, config: EngineConfig) -> None:
-        """Block size 128 where the configuration leaves it unset."""
+        """Block size 128 where the configuration leaves it unset; ValueError for a block size the
+        paged-attention ops refuse (`limits.py`)."""
         if "block_size" not in config.cache.model_fields_set:
             config.cache.block_size = cls.default_block_size
+        check_block_size(config.cache.block_size)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -145,9 +152,21 @@ class NPUBackend(Backend):
         return torch.float16 if "310P" in name else torch.bfloat16  # 310P has no bf16
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
-        """float16 and float32 everywhere; bfloat16 except on the 310P."""
+        """What the attention ops take: float16 everywhere, bfloat16 except on the 310P."""
         bf16 = (torch.bfloat16,) if self.default_dtype == torch.bfloat16 else ()
-        return bf16 + (torch.float16, torch.float32)
+        return bf16 + (torch.float16,)
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """ValueError naming the allowed dtypes for one the attention ops refuse (float32)."""
+        check_dtype(dtype, self.native_dtypes())
+
+    def resolve_dtype(self, model_dtype: torch.dtype | None) -> tuple[torch.dtype, str]:
+        """dtype "auto": the checkpoint's dtype where the ops take it, else the device's default."""
+        if model_dtype is not None and model_dtype in self.native_dtypes():
+            return model_dtype, f"the model's torch_dtype, native on backend {self.name!r}"
+        named = "no torch_dtype" if model_dtype is None else str(model_dtype).removeprefix("torch.")
+        return self.default_dtype, (f"the model names {named}; backend {self.name!r} runs float16 and bfloat16 "
+                                    f"only: its default, {str(self.default_dtype).removeprefix('torch.')}")
 
     # ---- padding, KV, attention, graphs ------------------------------------
     def bucket_policy(self) -> BucketPolicy:
@@ -164,6 +183,8 @@ class NPUBackend(Backend):
         return split_kv_num_blocks(spec, budget_bytes, self.kv_alignment_bytes)
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+        """Split K/V (`kv_layout.py`); ValueError for a dtype, block size or head size the ops refuse."""
+        check_kv_spec(spec)
         return allocate_split_kv(spec, num_blocks, self._device, self.kv_alignment_bytes)
 
     attention = staticmethod(npu_paged_attention)
