@@ -23,6 +23,7 @@ from polyrunner.numeric import round_up
 
 REFERENCE_BACKEND = "cpu"
 MAX_ENGINE_STEPS = 5000
+MAX_POSITIONS = 4096   # the tiny model's: room for max_model_len at any block size the run scales to
 
 
 @dataclass
@@ -32,8 +33,8 @@ class ConformanceSettings:
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 64
     chunked_max_num_batched_tokens: int = 16
-    block_size: int = 16
-    max_model_len: int = 128
+    block_size: int | None = None        # None: the backend's own (its adjust_config's), else 16
+    max_model_len: int = 128             # at 16-token blocks; scaled with the block size (`ConformanceContext.scale`)
     kv_blocks: int = 64                  # blocks the main engines' budget buys
     preempt_blocks: int = 6              # incl. the null block: forces preemption
     max_tokens: int = 10
@@ -118,11 +119,28 @@ class ConformanceContext:
             return "float32"
         return str(self.new_backend(dtype="auto").default_dtype).removeprefix("torch.")
 
+    @cached_property
+    def block_size(self) -> int:
+        """The KV block size the run uses: the settings', else the one the backend's `adjust_config`
+        gives a configuration that leaves it unset (16 unless the backend says otherwise)."""
+        if self.settings.block_size is not None:
+            return self.settings.block_size
+        cfg = self.make_config(dtype="auto", max_model_len=self.settings.max_model_len)
+        self.backend_cls.adjust_config(cfg)
+        return int(cfg.cache.block_size)
+
+    @property
+    def scale(self) -> int:
+        """Block size / 16 (at least 1): prompt lengths and max_model_len grow with it, so that
+        prompts still span several blocks and a small pool still preempts."""
+        return max(1, self.block_size // 16)
+
     # ---- model and configs --------------------------------------------------------
     @cached_property
     def model_dir(self) -> Path:
         from polyrunner.tools.conformance.tiny_llama import write_tiny_llama
-        return write_tiny_llama(self.workdir / "tiny-llama", seed=self.settings.seed)
+        return write_tiny_llama(self.workdir / "tiny-llama", seed=self.settings.seed,
+                                max_position_embeddings=MAX_POSITIONS)
 
     @cached_property
     def arch(self):
@@ -136,7 +154,7 @@ class ConformanceContext:
 
         from polyrunner.device.kv_spec import KVCacheSpec
         a = self.arch
-        return KVCacheSpec(a.num_layers, block_size or self.settings.block_size, a.num_kv_heads,
+        return KVCacheSpec(a.num_layers, block_size or self.block_size, a.num_kv_heads,
                            a.head_dim, dtype or getattr(torch, self.dtype_name))
 
     def kv_budget_bytes(self, blocks: int, alignment: int) -> int:
@@ -150,7 +168,8 @@ class ConformanceContext:
     def make_config(self, backend: str | None = None, **overrides):
         """An EngineConfig for the tiny model, as validated (before any `Backend.adjust_config`).
         `overrides`: flat names of the sub-config fields (max_num_seqs, block_size,
-        kv_cache_memory_bytes, ...)."""
+        kv_cache_memory_bytes, ...). The block size is left unset (the backend's default) unless
+        the settings or `overrides` give one."""
         from polyrunner.config import (
             CacheConfig,
             EngineConfig,
@@ -161,10 +180,12 @@ class ConformanceContext:
         )
         s = self.settings
         o = dict(overrides)
+        block = {"block_size": o.pop("block_size", s.block_size)}
         cfg = EngineConfig(
-            model=ModelConfig(model=str(self.model_dir), dtype=o.pop("dtype", self.dtype_name),
-                              max_model_len=o.pop("max_model_len", s.max_model_len), seed=s.seed),
-            cache=CacheConfig(block_size=o.pop("block_size", s.block_size),
+            model=ModelConfig(model=str(self.model_dir), dtype=o.pop("dtype") if "dtype" in o else self.dtype_name,
+                              max_model_len=o.pop("max_model_len") if "max_model_len" in o else self.max_model_len,
+                              seed=s.seed),
+            cache=CacheConfig(**{k: v for k, v in block.items() if v is not None},
                               kv_cache_memory_bytes=o.pop("kv_cache_memory_bytes", None),
                               enable_prefix_caching=o.pop("enable_prefix_caching", True),
                               num_blocks_override=o.pop("num_blocks_override", None)),
@@ -176,6 +197,10 @@ class ConformanceContext:
             speculative=o.pop("speculative", None), lora=o.pop("lora", None),
             runner=RunnerConfig(backend=backend or self.backend_name, **o))
         return cfg
+
+    @property
+    def max_model_len(self) -> int:
+        return self.settings.max_model_len * self.scale
 
     def device_count(self) -> int:
         """Devices of the backend's kind on this host (`Backend.device_count`)."""
@@ -217,16 +242,17 @@ class ConformanceContext:
 
     # ---- prompts and generation ------------------------------------------------------
     def prompts(self) -> list[list[int]]:
-        """Random prompts of assorted lengths (one of a single token, two sharing a
-        two-block prefix so the prefix cache is exercised)."""
+        """Random prompts of assorted lengths, in blocks (`scale`: the same block counts at any
+        block size), one of a single token, two sharing a two-block prefix so the prefix cache
+        is exercised."""
         if "prompts" not in self.cache:
             s = self.settings
             rng = np.random.default_rng(s.seed + 1)
             vocab = self.arch.vocab_size
-            lengths = [5, 17, 1, 48, 33, 40, 12, 26][: s.num_prompts]
-            prompts = [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+            lengths = [5, 17, 1, 48, 33, 40, 12, 26][: s.num_prompts]   # at 16-token blocks
+            prompts = [rng.integers(3, vocab, size=n if n == 1 else n * self.scale).tolist() for n in lengths]
             if len(prompts) > 4:
-                shared = 2 * s.block_size
+                shared = 2 * self.block_size
                 prompts[4] = prompts[3][:shared] + prompts[4][: max(1, len(prompts[4]) - shared)]
             self.cache["prompts"] = prompts
         return self.cache["prompts"]
@@ -236,23 +262,36 @@ class ConformanceContext:
         the backend under test runs (float32 whenever it supports it)."""
         if "reference_tokens" not in self.cache:
             from polyrunner.sampling_params import SamplingParams
-            params = SamplingParams(temperature=0.0, max_tokens=self.settings.max_tokens, ignore_eos=True)
-            self.cache["reference_tokens"] = generate(self.engine("reference"), self.prompts(), params)
+            params = SamplingParams(temperature=0.0, max_tokens=self.settings.max_tokens, ignore_eos=True,
+                                    logprobs=2)
+            outs = generate_outputs(self.engine("reference"), self.prompts(), params)
+            self.cache["reference_tokens"] = [list(c.token_ids) for c in outs]
+            self.cache["reference_logprobs"] = [list(c.logprobs or []) for c in outs]
         return self.cache["reference_tokens"]
+
+    def reference_logprobs(self) -> list[list[dict[int, Any]]]:
+        """The reference's top-2 logprobs at each output token of `reference_tokens()`."""
+        self.reference_tokens()
+        return self.cache["reference_logprobs"]
 
 
 def generate(engine, prompts: list[list[int]], params) -> list[list[int]]:
     """Run `prompts` to completion on `engine`; token ids per prompt, in order.
     `params`: one SamplingParams or one per prompt."""
+    return [list(c.token_ids) for c in generate_outputs(engine, prompts, params)]
+
+
+def generate_outputs(engine, prompts: list[list[int]], params) -> list[Any]:
+    """`generate`, returning each prompt's finished `CompletionOutput` (tokens, logprobs)."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     ids = [engine.add_request({"prompt_token_ids": p}, sp) for p, sp in zip(prompts, plist)]
-    done: dict[str, list[int]] = {}
+    done: dict[str, Any] = {}
     for _ in range(MAX_ENGINE_STEPS):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
+                done[out.request_id] = out.outputs[0]
     else:
         raise AssertionError(f"the engine did not finish {len(prompts)} requests in {MAX_ENGINE_STEPS} steps")
     missing = [i for i in ids if i not in done]
