@@ -113,11 +113,14 @@ class ConformanceContext:
 
     @cached_property
     def dtype_name(self) -> str:
-        """float32 when the backend runs it (exact comparisons), else its default dtype."""
+        """float32 when the backend runs it (exact comparisons), else its default dtype (the first it
+        declares when the default is not among them)."""
         import torch
-        if torch.float32 in self.capabilities.dtypes:
+        declared = self.capabilities.dtypes
+        if torch.float32 in declared:
             return "float32"
-        return str(self.new_backend(dtype="auto").default_dtype).removeprefix("torch.")
+        default = self.new_backend(dtype="auto").default_dtype
+        return str(default if default in declared else declared[0]).removeprefix("torch.")
 
     @cached_property
     def block_size(self) -> int:
