@@ -22,7 +22,8 @@ KERNELS = {
 }
 SERVER = {"test_serve", "test_serve_hostile", "test_structured_serve", "test_structured_async_compile",
           "test_vllm_api_compat", "test_serve_lora"}
-XLA = {"test_xla", "test_xla_buckets", "test_xla_units", "test_xla_padded", "test_xla_spmd"}
+XLA = {"test_xla", "test_xla_buckets", "test_xla_units", "test_xla_padded", "test_xla_spmd", "test_xla_lora",
+       "test_xla_softcap", "test_xla_pallas_reference", "test_xla_pallas_trace", "test_xla_host_sync", "test_xla_moe"}
 
 MODULE_MARKERS: dict[str, tuple[str, ...]] = {}
 for _marker, _modules in (("slow", SLOW), ("kernels", KERNELS), ("server", SERVER), ("xla", XLA)):

@@ -105,25 +105,26 @@ def test_forward_is_not_retraced_once_warm(engines, monkeypatch):
     assert calls == []
 
 
-def test_pallas_call_gets_padded_heads(monkeypatch, tmp_path):
-    """`XLABackend.attention` on the Pallas layout with head size 8: the kernel (stubbed by torch_xla's
-    non-kernel reference, the Pallas kernel needs a TPU) sees q and the cache at 128, the output is
-    sliced back to 8 and equals the float64 reference at the real head size's scale."""
-    from torch_xla.experimental import custom_kernel
+def test_the_compiled_step_updates_the_cache_in_place(engines, monkeypatch):
+    """The static-shape attention's write under dynamo: the cache donated, its device buffer kept
+    across steps (see tests/test_xla_pallas_trace.py for the Pallas path)."""
+    from test_xla_pallas_trace import buffers_per_step
+    xla, _ = engines
+    assert xla.engine.runner.executor.mode == "dynamo"
+    buffers, seen = buffers_per_step(xla, monkeypatch, [[5, 6, 7, 8, 9]], 4)
+    assert seen == [buffers] * 4
 
+
+def test_pallas_call_gets_padded_heads():
+    """`XLABackend.attention` on the Pallas layout with head size 8: the registered op (its CPU kernel
+    torch_xla's non-kernel reference, the Pallas kernel needs a TPU) sees q and the cache at 128, the
+    output is sliced back to 8 and equals the float64 reference at the real head size's scale."""
     from polyrunner.backends.xla import head_pad, pallas
     from polyrunner.config import EngineConfig, ModelConfig
     from test_xla_buckets import _paged_case
+    from test_xla_pallas_reference import nonkernel, registered
     from tolerances import assert_close_ulp, attention_reference
 
-    seen = []
-
-    def kernel(q, kv, *args, use_kernel=True, **kw):
-        seen.append((q.shape[-1], kv.shape[-1]))
-        return custom_kernel._ragged_paged_attention_nonkernel(q, kv, *args, None, None, sm_scale=kw["sm_scale"],
-                                                               sliding_window=kw["sliding_window"])
-
-    monkeypatch.setattr(custom_kernel, "ragged_paged_attention", kernel)
     backend = xla_plugin.XLABackend(EngineConfig(model=ModelConfig()))
     q, k, v, cache, meta, spec, T = _paged_case(4, None)
     want, bound = attention_reference(q, k, v, cache.clone(), meta, spec)
@@ -132,8 +133,9 @@ def test_pallas_call_gets_padded_heads(monkeypatch, tmp_path):
     step = SimpleNamespace(num_reqs=3, num_tokens=T, seq_lens=meta.seq_lens_np,
                            block_tables=meta.block_tables.numpy(), query_start_loc=meta.query_start_loc_np)
     extras = {key: torch.from_numpy(a) for key, a in pallas.host_inputs(step, 8).items()}
-    got = backend.attention(q, k, v, pages.contiguous(), dataclasses.replace(meta, extras=extras), spec)
-    assert seen == [(128, 128)] and got.shape[-1] == d
+    with registered(nonkernel, "CPU") as seen:
+        got = backend.attention(q, k, v, pages.contiguous(), dataclasses.replace(meta, extras=extras), spec)
+    assert [(qs[-1], kvs[-1]) for qs, kvs in seen] == [(128, 128)] and got.shape[-1] == d
     assert_close_ulp(got[:T], want[:T], torch.float32, ulps=1, abs_err=bound[:T])
 
 

@@ -1,7 +1,8 @@
 """The XLA backend's Pallas path passes the logit soft cap (`LayerSpec.logits_soft_cap`, Gemma 2) to
-torch_xla's `ragged_paged_attention` (`soft_cap=`): `pallas.attention` with `use_kernel=False`
-runs torch_xla's own non-kernel reference of that op on the host (the Pallas kernel needs a TPU),
-compared with the float64 direct formula (`softcap_reference`), with and without a window."""
+torch_xla's registered op `torch.ops.xla.ragged_paged_attention` (`soft_cap=`): `pallas.attention` on
+host tensors, with torch_xla's own non-kernel reference registered as the op's CPU kernel (the
+Pallas kernel needs a TPU), compared with the float64 direct formula (`softcap_reference`), with and
+without a window."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ pytest.importorskip("torch_xla", reason="torch_xla is not installed (see .ci/xla
 from polyrunner.backends.xla import pallas  # noqa: E402
 from softcap_reference import softcap_attention  # noqa: E402
 from test_xla_buckets import _paged_case  # noqa: E402
+from test_xla_pallas_reference import nonkernel, registered  # noqa: E402
 from tolerances import assert_close_ulp, assert_detects_errors  # noqa: E402
 
 CAP = 2.0
@@ -33,7 +35,9 @@ def test_pallas_attention_passes_the_soft_cap(cap, window):
     step = SimpleNamespace(num_reqs=3, num_tokens=T, seq_lens=meta.seq_lens_np,
                            block_tables=meta.block_tables.numpy(), query_start_loc=meta.query_start_loc_np)
     extras = {key: torch.from_numpy(a) for key, a in pallas.host_inputs(step, 8).items()}
-    got = pallas.attention(q, k, v, pages, dataclasses.replace(meta, extras=extras), spec, use_kernel=False)
+    with registered(nonkernel, "CPU") as calls:
+        got = pallas.attention(q, k, v, pages, dataclasses.replace(meta, extras=extras), spec)
+    assert len(calls) == 1
 
     def check(out):
         assert_close_ulp(out, expected[:T], torch.float32, ulps=1, abs_err=bound[:T])

@@ -28,7 +28,14 @@ every compilation is a bug: it is logged, and raises `RecompilationError`
 with the offending piece and shapes in strict mode
 (`RunnerConfig.strict_no_recompile` or `POLYRUNNER_XLA_STRICT=1`).
 Graphs are counted with torch_xla's `CompileTime` metric around this
-executor's own syncs, so several engines in one process do not blur the count.
+executor's own syncs, so several engines in one process do not blur the count;
+`traces` counts the ops of each graph dynamo traces.
+
+No host sync may run inside the backbone: the lazy trace runs inside the core's
+`capture_guard` at every step (a dispatch mode changes how composite ops reach
+torch_xla, so warm-up and serving must trace alike; it costs host time, and the
+lazy trace is the fallback to dynamo), and under dynamo fullgraph refuses it,
+reported as the guard's `HostSyncError` (`host_sync.py`).
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from polyrunner.backends.xla import compile_cache, envs
+from polyrunner.backends.xla import compile_cache, envs, host_sync
 from polyrunner.backends.xla.sampling import (
     MAX_LOGPROBS,
     STOP_WIDTH,
@@ -53,7 +61,14 @@ from polyrunner.backends.xla.sampling import (
     sample_random,
     topk_logprobs,
 )
-from polyrunner.plugin_api import BucketPolicy, GraphExecutor, ModelInputs, SamplerOutput, SamplingMetadata
+from polyrunner.plugin_api import (
+    BucketPolicy,
+    GraphExecutor,
+    ModelInputs,
+    SamplerOutput,
+    SamplingMetadata,
+    capture_guard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +119,25 @@ class XLAGraphExecutor(GraphExecutor):
         if enforce_eager and strict:
             logger.warning("xla: strict_no_recompile is ignored with enforce_eager")
         self.mode = "dynamo" if envs.DYNAMO.get() and not enforce_eager else "trace"
+        # per graph dynamo traced (one per backbone bucket; any after warm-up is a recompilation):
+        # how many times it calls each op, e.g. {"xla.ragged_paged_attention.default": 32, ...}
+        self.traces: list[Counter[str]] = []
         self._forward = self._compile(model) if self.mode == "dynamo" else model
         self._threads = torch.get_num_threads()
         self._settle("load_weights")
 
-    @staticmethod
-    def _compile(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    def _compile(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
         import torch._dynamo
+        from torch._dynamo.backends.registry import lookup_backend
         # one dynamo entry per (token, context) bucket: never fall back to eager for running out
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        return torch.compile(model, backend="openxla", fullgraph=True, dynamic=False)
+        openxla = lookup_backend("openxla")
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+            self.traces.append(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+            return openxla(gm, example_inputs)
+
+        return torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
 
     def _settle(self, piece: str) -> None:
         """Materialise every weight and buffer. Weights loaded through views (fused
@@ -213,19 +237,41 @@ class XLAGraphExecutor(GraphExecutor):
 
     # ---- pieces -------------------------------------------------------------------
     def run(self, inputs: ModelInputs) -> torch.Tensor:
+        """The backbone over one padded step. A host sync inside it raises `HostSyncError`: the
+        capture guard refuses it while the lazy trace runs; under dynamo, fullgraph refuses it and
+        the error is reported as the guard's (`host_sync.from_dynamo`)."""
         before, lookups = self._compile_count(), compile_cache.lookups()   # dynamo compiles inside the call
         args = (inputs.input_ids, inputs.positions, inputs.attn, inputs.kv_caches)
+        if self.mode == "dynamo":
+            # The compiled step consumes the KV caches' donated buffers (`kv_update`): lazy work
+            # still pending on them (an eager run of the model) must run first, or it would read
+            # deleted buffers. Serving leaves nothing pending: then this sync runs no graph.
+            self._torch_xla.sync()
         with no_grad_not_inference():
             try:
                 with self._stance(skip_guards=self.warm):
-                    hidden = self._forward(*args)
+                    hidden = self._call(*args)
             except RuntimeError as exc:   # a shape no bucket covers: dynamo compiles it (counted below)
                 if "skip_guard_eval_unsafe" not in str(exc):
                     raise
                 with self._stance(skip_guards=False):
-                    hidden = self._forward(*args)
+                    hidden = self._call(*args)
             self._sync("backbone", {"tokens": int(inputs.input_ids.shape[0])}, before, lookups)
         return hidden
+
+    def _call(self, *args: Any) -> torch.Tensor:
+        """The forward, traced lazily inside the capture guard, or compiled by dynamo (whose
+        refusal of a host sync becomes `HostSyncError`, chained to dynamo's error)."""
+        if self.mode == "trace":
+            with capture_guard(self.device):
+                return self._forward(*args)
+        try:
+            return self._forward(*args)
+        except RuntimeError as exc:
+            sync = host_sync.from_dynamo(exc)
+            if sync is None:
+                raise
+            raise sync from exc
 
     @contextlib.contextmanager
     def _stance(self, skip_guards: bool) -> Iterator[None]:

@@ -12,10 +12,12 @@ What runs where:
 - attention is `polyrunner.attention.static_shape` (plain torch, one graph per
   token bucket and context bucket, see `static_attention.py`). On a real TPU
   with `POLYRUNNER_XLA_PALLAS` not "0", the Pallas ragged paged attention
-  kernel is used instead (see `pallas.py`), every head size padded to a
-  multiple of 128 (`head_pad.py`; `POLYRUNNER_XLA_PAD_HEAD=1` pads on the CPU
-  device too): that path is UNVERIFIED on TPU hardware, and is isolated behind
-  the probe;
+  kernel is used instead, through its registered op (see `pallas.py`), every
+  head size padded to a multiple of 128 (`head_pad.py`;
+  `POLYRUNNER_XLA_PAD_HEAD=1` pads on the CPU device too): that path is
+  UNVERIFIED on TPU hardware, and is isolated behind the probe;
+- either way, under dynamo (the default) each layer's KV cache is donated to
+  the compiled step and updated in place, never copied whole (`kv_update.py`);
 - the KV budget comes from a profile run's peak on a TPU (`memory.py`), and
   the block size defaults to vLLM's TPU page size there;
 - graphs and sampling: see `executor.py` and `sampling.py`.
@@ -33,7 +35,7 @@ import torch
 
 from polyrunner.backends.diagnose import Runtime, check_library, installed_version
 from polyrunner.backends.supported_versions import STACKS
-from polyrunner.backends.xla import compile_cache, envs, head_pad, static_attention
+from polyrunner.backends.xla import compile_cache, envs, head_pad, kv_update, static_attention
 from polyrunner.backends.xla.buckets import xla_bucket_policy
 from polyrunner.backends.xla.memory import profiled_kv_budget, tpu_page_size
 from polyrunner.plugin_api import (
@@ -148,6 +150,9 @@ class XLABackend(Backend):
     def use_pallas(self) -> bool:
         if self._pallas is None:
             self._pallas = self.wants_pallas()
+            if self._pallas:
+                from polyrunner.backends.xla import pallas
+                pallas.define_ops()   # before a step is traced
         return self._pallas
 
     def pads_head(self, head_size: int) -> bool:
@@ -246,8 +251,9 @@ class XLABackend(Backend):
             q, k, v = (head_pad.pad_heads(t, size) for t in (q, k, v))
         if "pallas_num_seqs" in meta.extras:
             from polyrunner.backends.xla import pallas
-            out = pallas.attention(q, k, v, kv_cache, meta, spec)
+            out = pallas.attention(q, k, v, kv_cache, meta, spec)   # donates the cache (`kv_update`)
         else:
+            kv_update.donate(kv_cache)   # updated in place, not copied, by the compiled step
             out = static_shape_paged_attention(q, k, v, kv_cache, meta, spec)
         return out if size == head else out[..., :head]
 
