@@ -121,12 +121,7 @@ def test_mixtral_grouped_moe_path_fails_the_capture(mixtral, monkeypatch):
 # ---- the emulated graph ------------------------------------------------------------------------
 def _capture(fn):
     graph = TapeGraph()
-    graph.capture_begin()
-    try:
-        out = fn()
-    finally:
-        graph.capture_end()
-    return graph, out
+    return graph, graph.capture(fn)
 
 
 def test_replay_reads_the_static_buffers_again():

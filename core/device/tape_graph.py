@@ -76,7 +76,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class TapeGraph:
-    """One emulated graph: `capture_begin()`, the step's ops, `capture_end()`; then `replay()`."""
+    """One emulated graph: `capture_begin()`, the step's ops, `capture_end()` (or `capture(fn)`);
+    then `replay()`."""
 
     capturing: TapeGraph | None = None   # the graph being captured in this process
 
@@ -97,6 +98,14 @@ class TapeGraph:
         assert self._recorder is not None and TapeGraph.capturing is self
         self._recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         TapeGraph.capturing, self._recorder = None, None
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` captured into this graph (between `capture_begin` and `capture_end`); its result."""
+        self.capture_begin()
+        try:
+            return fn()
+        finally:
+            self.capture_end()
 
     def record(self, task: Task) -> None:
         """Append a device library's own op (already run once) to the tape."""
@@ -122,11 +131,7 @@ class TapeGraphAPI(GraphAPI):
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any) -> tuple[Callable[[], None], torch.Tensor]:
         graph = TapeGraph()
-        graph.capture_begin()
-        try:
-            out = fn()
-        finally:
-            graph.capture_end()
+        out: torch.Tensor = graph.capture(fn)
         self.captures += 1
         self.graphs.append(graph)
         return graph.replay, out
