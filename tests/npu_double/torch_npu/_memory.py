@@ -25,13 +25,14 @@ def live_storages() -> dict[int, int]:
     """data pointer -> bytes of every live tensor storage."""
     sizes: dict[int, int] = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and not obj.is_sparse:
-            try:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" and not obj.is_sparse:
+            try:   # subclasses (fake, functional tensors a compile left alive) are not device memory
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):   # tensors without storage (wrappers)
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):   # tensors without storage
                 continue
-            if storage.data_ptr():
-                sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
+            if ptr:
+                sizes[ptr] = max(sizes.get(ptr, 0), storage.nbytes())
     return sizes
 
 
