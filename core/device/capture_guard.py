@@ -1,13 +1,13 @@
 """The capture guard: nothing inside a captured or compiled step may synchronise with the host.
 
-A CUDA or ACL graph records device work only: a host read of a device value (`.item()`,
+A stream-captured device graph records device work only: a host read of a device value (`.item()`,
 `.tolist()`, `.cpu()`, `if tensor:`) fails the capture on the hardware, or worse, bakes the
 capture's value into every replay; an op whose output shape depends on data (`nonzero`,
-`bincount`, boolean-mask indexing) needs such a read; a compiled XLA graph cannot hold either.
+`bincount`, boolean-mask indexing) needs such a read; a whole-step compiled graph cannot hold either.
 On CPU these pass silently, so `capture_guard(device)` refuses them while a step is captured
 or traced, and the hardware never sees them first. It is entered by the core's
-`StaticGraphExecutor` around every capture (CUDA, Ascend and the CPU backend's graphs, and
-their CPU stand-ins in tests) and by a backend around its own tracing (XLA's lazy trace).
+`StaticGraphExecutor` around every capture (every backend's graphs, and their CPU stand-ins
+in tests) and by a backend around its own tracing (a lazy-tensor trace).
 
 What it refuses, with `HostSyncError` naming the op and the way out:
 
@@ -19,7 +19,7 @@ What it refuses, with `HostSyncError` naming the op and the way out:
   the capture's type, and uploads (a host tensor copied into a device tensor).
 
 What is *host* data: on a real device, every CPU tensor (an op's host-side arguments, such as
-Ascend's context lengths, are CPU tensors there). Where the device is emulated on the CPU (a
+an attention op's context lengths, are CPU tensors there). Where the device is emulated on the CPU (a
 test double, the CPU backend), tensors cannot tell host from device, so host-side data is
 declared with `host_tensor(t)`: the guard lets such tensors be read, and what an op computes
 from host tensors alone is host data too.

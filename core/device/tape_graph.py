@@ -1,8 +1,8 @@
 """A stream graph emulated on the CPU: capture records every op, replay re-executes the record.
 
-For testing a plugin's captured steps without its device (the CUDA backend's CPU stand-in, the
-torch_npu test double). Like a CUDA or ACL graph, and unlike re-running the Python that built
-it, a replay:
+For testing a plugin's captured steps without its device (a backend's CPU stand-in, a device
+library's test double). Like a stream-captured device graph, and unlike re-running the Python
+that built it, a replay:
 
 - runs only the ops recorded at capture, on the very tensors they read and wrote (the static
   buffers, the graph's intermediates), so a value the Python read at capture stays frozen
@@ -11,10 +11,10 @@ it, a replay:
 - computes nothing new: each op's result is written into the tensor captured as its output
   (a view or an in-place op already is that tensor).
 
-A capture computes the step once (a CUDA capture need not, so callers must not rely on the
+A capture computes the step once (a device's capture need not, so callers must not rely on the
 output before a replay). Collectives (c10d ops such as `allreduce_`) are recorded like any op
 and waited for at replay. A device library's own ops can join the tape as `Task`s
-(`TapeGraph.record`), as the torch_npu double's ops do.
+(`TapeGraph.record`), as a test double's ops do.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class TapeGraph:
 
 
 class TapeGraphAPI(GraphAPI):
-    """`GraphAPI` over `TapeGraph`s: what a CUDA-like plugin's graphs do, on the CPU."""
+    """`GraphAPI` over `TapeGraph`s: what a plugin's stream-captured graphs do, on the CPU."""
 
     name = "tape graphs"
 
