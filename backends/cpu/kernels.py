@@ -50,7 +50,8 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one library
            Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
            Path(__file__).with_name("argmax.cpp")]
-SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
+SOURCES += [Path(__file__).with_name(f"quant_{name}.cpp")  # GGUF-quantized linears (quant_linear.py)
+            for name in ("gemm", "kquants", "kquants_r8", "small", "small_r8")]
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
 SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)
@@ -59,7 +60,7 @@ SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
            Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h"),
-           Path(__file__).with_name("micro_pick.h")]
+           Path(__file__).with_name("micro_pick.h"), Path(__file__).with_name("quant_common.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}

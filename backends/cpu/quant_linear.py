@@ -1,19 +1,22 @@
 """Quantized linears on the CPU: GGUF weight blocks run as they are (`quant_gemm.cpp`).
 
 `quantize_model` is the CPU backend's `quantize_model` hook: each "linear" whose
-GGUF type the kernel runs (Q8_0, Q4_0, Q4_1, Q4_K) becomes a `QuantLinear`, and
-a quantized LM head becomes the model's `quantized_lm_head` (the executor's
-logits go through it); other types stay dense.
+GGUF type the kernels run (`QTYPES`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
+Q5_K, Q6_K, IQ4_NL, IQ4_XS) becomes a `QuantLinear`, and a quantized LM head becomes
+the model's `quantized_lm_head` (the executor's logits go through it); other types
+(none of a usual GGUF file's block types) stay dense.
 
-A `QuantLinear` keeps the blocks (about 4.5 bits a weight for Q4_1) and
-quantizes its input per row to int8 blocks of 32 on every call, so a decode
-step streams the quantized weights once with integer dot products. The 4-bit
-types are repacked at load into the kernel's row-interleaved "r8" layout (8
-output rows per vector; 20 bytes per 32 weights with float16 scales for
-Q4_0/Q4_1, 24 with Q4_K's float32 ones), and so is Q8_0 where the path has
+A `QuantLinear` keeps the blocks (about 4.5 bits a weight for Q4_1, 6.56 for Q6_K)
+and quantizes its input per row to int8 blocks of 32 on every call, so a decode
+step streams the quantized weights once with integer dot products. The types but
+Q8_0, Q2_K and Q3_K are repacked at load into the kernels' row-interleaved "r8"
+layout (8 output rows per vector; 20 bytes per 32 weights with float16 scales for
+Q4_0/Q4_1, 24 with Q4_K's float32 ones; the others keep their GGUF bytes per
+weight, `quant_kquants_r8.cpp`, `quant_small_r8.cpp`), and so is Q8_0 where the path has
 VNNI (34 bytes, as in GGUF; ~2.5x faster for a small-vocabulary LM head at a few
 rows, the same at 1 row, where the weight stream is the bound); the AVX2 and
-scalar paths run Q8_0's GGUF blocks as they are. A step
+scalar paths run Q8_0's GGUF blocks as they are, and Q2_K / Q3_K run their GGUF
+blocks on every path. A step
 of more than `PREFILL_ROWS` rows is compute-bound instead: it dequantises the
 weight into the input's dtype and runs the dense matmul (oneDNN), faster there
 (the r8 kernel wins up to ~40 rows on one thread). The two paths round differently
@@ -42,7 +45,10 @@ from polyrunner.backends.cpu import envs, kernel_table, kernels
 from polyrunner.backends.cpu.kernel_calls import call
 from polyrunner.backends.cpu.row_linear import RowLinear
 
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}  # GGML type ids quant_gemm.cpp runs
+QTYPES = {  # GGML type ids the kernels run (quant_gemm.cpp, quant_kquants.cpp, quant_small.cpp)
+    "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+    "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23,
+}
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
 MEASURE_ROWS = (1, 16)  # decode row counts the instruction-set paths are timed at (`measured_isa`)
 PREFILL_ROWS = 64  # above: dequantise + dense matmul (r8 vs oneDNN bfloat16: crossover ~40 rows, 1 thread)
