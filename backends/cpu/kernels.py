@@ -50,8 +50,8 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one library
            Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
            Path(__file__).with_name("argmax.cpp")]
-SOURCES += [Path(__file__).with_name(f"quant_{name}.cpp")  # GGUF-quantized linears (quant_linear.py)
-            for name in ("gemm", "kquants", "kquants_r8", "small", "small_r8")]
+SOURCES += [Path(__file__).with_name(f"quant_{name}.cpp")  # GGUF-quantized linears (quant_linear.py), rows
+            for name in ("gemm", "kquants", "kquants_r8", "small", "small_r8", "rows")]
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
 SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)

@@ -491,11 +491,16 @@ bool isa_compiled(int isa) {
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = f2bf(v); }
 
+// Dequantising fewer weights than this runs on the calling thread: an OpenMP team's fork and join
+// cost more than the work (quant_rows.cpp's one row per token: ~1 us of work, a fork 100s of us on a
+// loaded host).
+constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;
+
 // Rows of W -> out[N, K]; one block at a time through a float buffer (the loops vectorise).
 template <typename T>
 void dequantize_rows(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
   const int64_t bs = block_size(qt), nblk = K / bs, row_bytes = nblk * block_bytes(qt);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t n = 0; n < N; ++n) {
     float v[256];
     for (int64_t b = 0; b < nblk; ++b) {
@@ -547,7 +552,7 @@ void dequantize_any(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
   const TypeKernels* k = other_kernels(qt);
   if (!k) return dequantize_rows(qt, w, N, K, out);
   const int64_t row_bytes = K / k->block_size * k->block_bytes;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t n = 0; n < N; ++n) dequantize_decoded(k->decode, w, row_bytes, n, n + 1, K, out);
 }
 
@@ -555,7 +560,7 @@ void dequantize_any(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
 template <typename T>
 void dequantize_groups(const TypeKernels* k, const uint8_t* w8, int64_t N, int64_t K, T* out) {
   const int64_t gbytes = K / k->r8.unit * k->r8.unit_bytes;
-#pragma omp parallel
+#pragma omp parallel if (N * K >= PARALLEL_WEIGHTS)
   {
     std::vector<float> rows(8 * K);
 #pragma omp for schedule(static)
@@ -783,7 +788,7 @@ int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* 
   const int64_t nb = K / 32, bb = r8_block_bytes(qt);
   const bool f32 = r8_f32_scales(qt);
   const int ss = f32 ? 4 : 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t g = 0; g < N / 8; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = w8 + (g * nb + b) * bb;
