@@ -8,8 +8,8 @@
   several kernel passes, and the edge routings (no token, an expert without tokens, top_k == E,
   sigmoid scores, no renormalisation).
 - The role's contract: within the int8 activations' error of `FusedMoE` on the dequantised weights.
-- Layouts: stacks whose r8 copy would be larger (Q4_K, Q4_0) stay as in the file, so the module's
-  blocks take exactly the file's bytes; no dense parameter.
+- Layouts: the module's blocks take exactly the file's bytes (every r8 copy keeps them; the scalar
+  path's stacks are the file's blocks themselves); no dense parameter.
 - A CPU graph records the one call per layer and its replay recomputes from the current inputs.
 - A tiny Q4_K_M-shaped Mixtral GGUF (tests/quant_moe_gguf.py: Q4_K gate/up stacks, Q6_K / Q4_K down
   stacks, Q4_K embedding, Q6_K head) runs with quantized experts in every layer; its weights take
@@ -124,8 +124,7 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("qt13,qt2", PAIRS)
 def test_the_kernel_is_its_experts_through_the_quantized_linears(qt13, qt2, isa):
     module, _, blocks = _experts(qt13, qt2, isa=isa, seed=PAIRS.index((qt13, qt2)))
-    assert module.r8 == tuple(ql.r8_supported(q, s, isa) and q not in ("Q4_K", "Q4_0")
-                              for q, s in ((qt13, (512, 256)), (qt2, (256, 256))))
+    assert module.r8 == tuple(ql.r8_supported(q, s, isa) for q, s in ((qt13, (512, 256)), (qt2, (256, 256))))
     for tokens in (1, 7, 40):   # 40: three passes of 16
         for dtype in (torch.float32, torch.bfloat16):
             x, logits = _inputs(tokens, 256, 8, dtype, seed=tokens)
@@ -163,12 +162,15 @@ def test_edge_routings(edge):
 
 
 def test_the_experts_keep_the_files_bytes_and_no_dense_weight():
-    module, _, blocks = _experts("Q4_K", "Q6_K")
+    module, _, blocks = _experts("Q4_K", "Q6_K", isa="scalar")   # the scalar path: the GGUF layout
     assert not list(module.parameters()) and not hasattr(module, "w13_weight")
     assert [b.numel() for b in (module.gate_blocks, module.up_blocks, module.down_blocks)] == \
         [w.nbytes for w in (blocks.gate, blocks.up, blocks.down)]
-    assert module.r8[0] is False   # Q4_K's r8 copy is a third larger: the GGUF layout
+    assert module.r8 == (False, False)
     assert module.gate_blocks.data_ptr() == blocks.gate.blocks.ctypes.data   # the blocks themselves, no copy
+    r8 = _experts("Q4_K", "Q6_K")[0]   # r8 where the path runs it: a copy of the same bytes
+    assert [b.numel() for b in (r8.gate_blocks, r8.up_blocks, r8.down_blocks)] == \
+        [w.nbytes for w in (blocks.gate, blocks.up, blocks.down)]
     for name in ("num_experts", "top_k", "intermediate", "renormalize", "scoring"):
         assert hasattr(module, name)
 

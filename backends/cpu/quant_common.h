@@ -110,7 +110,7 @@ struct QRow {
 // out[m] = dot(W row, x row m) for MB (1..MB_MAX) activation rows; w: one row of GGUF blocks.
 using RowFn = void (*)(const uint8_t* w, int64_t K, const QRow* a, float* out);
 // out[m][0..7] = the 8 rows of an r8 group times activation rows a[0..MB); nb = K / 32.
-using GroupFn = void (*)(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)[8]);
+using GroupFn = void (*)(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]);
 // Block b (of 32 weights) of a GGUF row as integers: w_i = s[h] * v[i] - m[h], h = i / 16 (the
 // float32 operations of gguf's numpy dequantisation, so that the values equal it bit for bit).
 using DecodeFn = void (*)(const uint8_t* row, int64_t b, int16_t* v, float* s, float* m);
@@ -317,6 +317,29 @@ inline __m256i dot16(const __m256i* v, const int8_t* x) {
   __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   for (int k = 0; k < 4; ++k) s[k & 1] = PRQ_DPBUSD8(ISA, s[k & 1], v[k], bcast4(x + 4 * k));
   return _mm256_add_epi32(s[0], s[1]);
+}
+
+// 8 int32 lanes (rows) = the 32-input block dots of 4-bit values (lo/hi as `load_r8_q` gives them)
+// with x. AVX2: all 8 `maddubs` summed in int16 (8 products of <= 15 * 127 * 2 each: at most 30480),
+// widened once. VNNI: four independent chains of two `vpdpbusd` each, added at the end. One chain of
+// eight made each block wait ~8 instruction latencies, more than the out-of-order window could
+// cover with other blocks: the kernel ran at ~40 cycles a block from L2, compute-bound.
+template <int ISA>
+inline __m256i block_dot4bit(const __m256i* lo, const __m256i* hi, const int8_t* xq) {
+  if (ISA == AVX2) {
+    __m256i s16 = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], bcast4(xq + 4 * k)));
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], bcast4(xq + 16 + 4 * k)));
+    }
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  }
+  __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int k = 0; k < 4; ++k) {
+    s[k & 1] = PRQ_DPBUSD8(ISA, s[k & 1], lo[k], bcast4(xq + 4 * k));
+    s[2 + (k & 1)] = PRQ_DPBUSD8(ISA, s[2 + (k & 1)], hi[k], bcast4(xq + 16 + 4 * k));
+  }
+  return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
 }
 
 inline __m256 scales8(const uint8_t* p, __m256 d, bool is_signed) {  // 8 int8 / uint8 at p, times d

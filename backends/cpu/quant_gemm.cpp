@@ -21,10 +21,11 @@
 //   Q8_0  w = d q (q int8)            Q4_0  w = d (q - 8)        Q4_1  w = d q + m
 //   Q4_K  w = d sc_j q - dmin mn_j    (sc_j, mn_j 6-bit, packed in 12 bytes)
 // Row-interleaved layout ("r8", the decode path of the 4-bit types): `pr_quant_repack8` turns
-// Q4_0/Q4_1/Q4_K rows into groups of 8 output rows; per group and block of 32 inputs: 128 bytes of
+// Q4_0/Q4_1 rows into groups of 8 output rows; per group and block of 32 inputs: 128 bytes of
 // nibbles (32-bit lane r of 32-byte vector k holds row r's weights 4k..4k+3 in the low nibbles and
-// 16+4k..16+4k+3 in the high ones), then the 8 rows' scales d and offsets m (w = d q + m; float16
-// for Q4_0/Q4_1, exact; float32 for Q4_K, whose d * sc and -dmin * mn float16 cannot hold). One
+// 16+4k..16+4k+3 in the high ones), then the 8 rows' float16 d (and for Q4_1 their m; Q4_0's
+// offset -8 d is computed): exactly the GGUF bytes. Q4_K's r8 layout (super-blocks of 256, the
+// file's bytes too) is in quant_kquants_r8.cpp, with Q5_K's, the kernels for its GGUF blocks here. One
 // vector op then serves 8 output rows (scales in lanes, activations broadcast), instead of a
 // horizontal sum per row: about a third of the instructions per weight. Q8_0 (the LM head of
 // the usual GGUF files) has an r8 layout too, on the VNNI paths: per group and block, 256 bytes
@@ -255,111 +256,42 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
 #endif  // PRQ_AVX2
 
 
-// ---- row-interleaved ("r8") 4-bit layout ---------------------------------------------
-// Block b of a Q4_0 / Q4_1 / Q4_K row as 32 values q (0..15) with w = d q + m.
-void decode4(int qt, const uint8_t* row, int64_t b, uint8_t* q, float* d, float* m) {
-  if (qt == Q4_K) {
-    const uint8_t* blk = row + (b / 8) * 144;
-    const int j = (int)(b % 8);
-    int sc, mn;
-    scale_min_k4(j, blk + 4, &sc, &mn);
-    *d = h2f(blk) * sc;
-    *m = -h2f(blk + 2) * mn;
-    const uint8_t* qs = blk + 16 + (j / 2) * 32;
-    for (int i = 0; i < 32; ++i) q[i] = (qs[i] >> (4 * (j & 1))) & 0xF;
-    return;
-  }
-  const uint8_t* blk = row + b * block_bytes(qt);
-  *d = h2f(blk);
-  *m = qt == Q4_1 ? h2f(blk + 2) : -8.f * *d;
-  const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
-  for (int i = 0; i < 16; ++i) {
-    q[i] = qs[i] & 0xF;
-    q[i + 16] = qs[i] >> 4;
-  }
+// ---- row-interleaved ("r8") layouts ------------------------------------------------------
+// The r8 kernels of a type another file implements (the `TypeKernels` types, and Q4_K's layout in
+// quant_kquants_r8.cpp, whose GGUF-layout kernels are here), else null: this file's 32-input r8
+// blocks (Q4_0, Q4_1, Q8_0).
+inline const R8Kernels* r8_kernels(int qt) {
+  if (const TypeKernels* k = other_kernels(qt)) return &k->r8;
+  static const R8Kernels q4k = kquant_r8(Q4_K);
+  return qt == Q4_K && q4k.unit ? &q4k : nullptr;
 }
-
-inline bool r8_f32_scales(int qt) { return qt == Q4_K; }
-inline int64_t r8_block_bytes(int qt) { return qt == Q8_0 ? 256 + 16 : 128 + 16 * (r8_f32_scales(qt) ? 4 : 2); }
+// Bytes of this file's r8 blocks (8 rows of 32 inputs): 128 of nibbles, then the 8 rows' float16 d
+// (and for Q4_1 their m): exactly the GGUF blocks' bytes; Q8_0: 256 of values, then d.
+inline int64_t r8_block_bytes(int qt) { return qt == Q8_0 ? 256 + 16 : qt == Q4_1 ? 128 + 32 : 128 + 16; }
 // Bytes of one r8 group (8 rows of K weights).
 inline int64_t r8_group_bytes(int qt, int64_t K) {
-  const TypeKernels* k = other_kernels(qt);
-  return k ? K / k->r8.unit * k->r8.unit_bytes : K / 32 * r8_block_bytes(qt);
-}
-
-inline void put_scale(uint8_t* p, float v, bool f32) {
-  if (f32) {
-    std::memcpy(p, &v, 4);
-  } else {
-#ifdef PRQ_AVX2
-    const uint16_t h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
-#else
-    uint16_t h = 0;  // no F16C: r8 is only used by the SIMD paths
-#endif
-    std::memcpy(p, &h, 2);
-  }
-}
-
-inline float get_scale(const uint8_t* p, bool f32) {
-  if (f32) {
-    float v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-  return h2f(p);
+  const R8Kernels* k = r8_kernels(qt);
+  return k ? K / k->unit * k->unit_bytes : K / 32 * r8_block_bytes(qt);
 }
 
 #ifdef PRQ_AVX2
-inline __m256 load_scales(const uint8_t* p, bool f32) {
-  return f32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(p))
-             : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// 8 int32 lanes (one per row) = the 32-weight block dots of rows r with x (lo/hi: the unpacked nibbles).
-// VNNI: four independent chains of two `vpdpbusd` each, added at the end. One chain of eight
-// made each block wait ~8 instruction latencies, more than the out-of-order window could
-// cover with other blocks: the kernel ran at ~40 cycles a block from L2, compute-bound.
-template <int ISA>
-inline __m256i block_dot8(const __m256i* lo, const __m256i* hi, const int8_t* xq) {
-  if (ISA == AVX2) {  // 8 products of <= 15 * 127 * 2 each per int16: at most 30480, no saturation
-    __m256i s16 = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k) {
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], bcast4(xq + 4 * k)));
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], bcast4(xq + 16 + 4 * k)));
-    }
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-  }
-  __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
-  for (int k = 0; k < 4; ++k) {
-    s[k & 1] = dpbusd8<ISA>(s[k & 1], lo[k], bcast4(xq + 4 * k));
-    s[2 + (k & 1)] = dpbusd8<ISA>(s[2 + (k & 1)], hi[k], bcast4(xq + 16 + 4 * k));
-  }
-#endif
-  return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
-  // without a VNNI path compiled only ISA == AVX2 exists, which returned above
-}
-
-// out[m][0..7] = the 8 rows of group `g` times activation rows a[0..MB). The scale and offset
-// terms go to separate accumulators (two dependent FMAs a block were the loop's carried chain).
-template <int ISA, int MB>
-void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)[8]) {
+// out[m][0..7] = the 8 rows of a Q4_0 / Q4_1 group times activation rows a[0..MB). The scale and
+// offset terms go to separate accumulators (two dependent FMAs a block were the loop's carried
+// chain); the offset is m (Q4_1) or -8 d (Q4_0).
+template <int ISA, int QT, int MB>
+void group8(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
+  constexpr int64_t bb = QT == Q4_1 ? 128 + 32 : 128 + 16;
   __m256 acc[MB], off[MB];
   for (int m = 0; m < MB; ++m) acc[m] = off[m] = _mm256_setzero_ps();
-  const int64_t bb = 128 + 16 * (f32 ? 4 : 2);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = gp + b * bb;
-    for (int64_t e = 0; e < bb; e += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES + e), _MM_HINT_T0);
+    prefetch(p, bb);
     __m256i lo[4], hi[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      lo[k] = _mm256_and_si256(v, low);
-      hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-    const __m256 d = load_scales(p + 128, f32), mo = load_scales(p + 128 + 8 * (f32 ? 4 : 2), f32);
+    load_r8_q(p, false, lo, hi);
+    const __m256 d = load_f16x8(p + 128);
+    const __m256 mo = QT == Q4_1 ? load_f16x8(p + 144) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     for (int m = 0; m < MB; ++m) {
-      const __m256i s = block_dot8<ISA>(lo, hi, a[m].q + b * 32);
+      const __m256i s = block_dot4bit<ISA>(lo, hi, a[m].q + b * 32);
       acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(s), acc[m]);
       off[m] = _mm256_fmadd_ps(mo, _mm256_set1_ps(a[m].s[b]), off[m]);
     }
@@ -371,7 +303,7 @@ void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)
 // group8 for Q8_0's r8 blocks (w + 128 as unsigned bytes; the 8 rows' d after them). Per row of x,
 // C independent `vpdpbusd` chains (C = 4, or 2 when MB > 2 keeps AVX-VNNI's 16 registers enough).
 template <int ISA, int MB>
-void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
+void group8_q8(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   constexpr int C = MB > 2 ? 2 : 4;
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
@@ -387,7 +319,7 @@ void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
       for (int m = 0; m < MB; ++m) s[m][k % C] = dpbusd8<ISA>(s[m][k % C], w, bcast4(a[m].q + b * 32 + 4 * k));
     }
-    const __m256 d = load_scales(p + 256, false);
+    const __m256 d = load_f16x8(p + 256);
     for (int m = 0; m < MB; ++m) {
       __m256i t = s[m][0];
       for (int c = 1; c < C; ++c) t = _mm256_add_epi32(t, s[m][c]);
@@ -397,6 +329,20 @@ void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 #endif
+
+template <int QT, int MB>
+GroupFn pick_group_isa(int isa) {
+  switch (isa) {
+#ifdef PRQ_AVX512VNNI
+    case AVX512VNNI: return group8<AVX512VNNI, QT, MB>;
+#endif
+#ifdef PRQ_AVXVNNI
+    case AVXVNNI: return group8<AVXVNNI, QT, MB>;
+#endif
+    case AVX2: return group8<AVX2, QT, MB>;
+  }
+  return nullptr;
+}
 
 template <int MB>
 GroupFn pick_group_mb(int isa, int qt) {
@@ -409,16 +355,8 @@ GroupFn pick_group_mb(int isa, int qt) {
 #endif
     return nullptr;
   }
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return group8<AVX512VNNI, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return group8<AVXVNNI, MB>;
-#endif
-    case AVX2: return group8<AVX2, MB>;
-  }
-  return nullptr;
+  if (qt == Q4_1) return pick_group_isa<Q4_1, MB>(isa);
+  return qt == Q4_0 ? pick_group_isa<Q4_0, MB>(isa) : nullptr;
 }
 
 GroupFn pick_group(int isa, int mb, int qt) {
@@ -556,16 +494,16 @@ void dequantize_any(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
   for (int64_t n = 0; n < N; ++n) dequantize_decoded(k->decode, w, row_bytes, n, n + 1, K, out);
 }
 
-// r8 groups of a `TypeKernels` type -> out[N, K] (the group's own dequantisation, then rounded to T).
+// r8 groups of an `R8Kernels` layout -> out[N, K] (the group's own dequantisation, then rounded to T).
 template <typename T>
-void dequantize_groups(const TypeKernels* k, const uint8_t* w8, int64_t N, int64_t K, T* out) {
-  const int64_t gbytes = K / k->r8.unit * k->r8.unit_bytes;
+void dequantize_groups(const R8Kernels* k, const uint8_t* w8, int64_t N, int64_t K, T* out) {
+  const int64_t gbytes = K / k->unit * k->unit_bytes;
 #pragma omp parallel if (N * K >= PARALLEL_WEIGHTS)
   {
     std::vector<float> rows(8 * K);
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < N / 8; ++g) {
-      k->r8.dequant(w8 + g * gbytes, K, rows.data());
+      k->dequant(w8 + g * gbytes, K, rows.data());
       T* o = out + g * 8 * K;
       for (int64_t i = 0; i < 8 * K; ++i) put(o + i, rows[i]);
     }
@@ -587,13 +525,12 @@ void run_chunk(void* ctx, int64_t chunk, int) {
   if (c.r8) {
 #ifdef PRQ_AVX2
     const int64_t nb = c.K / 32, gbytes = r8_group_bytes(c.qt, c.K), ng = c.N / 8;
-    const bool f32 = r8_f32_scales(c.qt);
-    const TypeKernels* k = other_kernels(c.qt);
+    const R8Kernels* k = r8_kernels(c.qt);
     for (int64_t g = chunk * c.rows_per_chunk; g < ng && g < (chunk + 1) * c.rows_per_chunk; ++g) {
       float out[MB_MAX][8];
       for (int64_t m0 = 0; m0 < c.M; m0 += MB_MAX) {
         const int mb = (int)(c.M - m0 < MB_MAX ? c.M - m0 : MB_MAX);
-        (k ? k->r8.group(c.isa, mb) : pick_group(c.isa, mb, c.qt))(c.w + g * gbytes, nb, f32, c.rows + m0, out);
+        (k ? k->group(c.isa, mb) : pick_group(c.isa, mb, c.qt))(c.w + g * gbytes, nb, c.rows + m0, out);
         for (int i = 0; i < mb; ++i)
           for (int r = 0; r < 8; ++r) store(c.y, c.y_bf16, (m0 + i) * c.ldy + g * 8 + r, out[i][r]);
       }
@@ -708,9 +645,8 @@ int pr_quant_dequantize(int qt, const uint8_t* w, int64_t N, int64_t K, void* ou
 int pr_quant_r8_supported(int qt) {
 #ifdef PRQ_AVX2
   if (qt == Q8_0) return isa_compiled(AVXVNNI) || isa_compiled(AVX512VNNI);
-  const TypeKernels* k = other_kernels(qt);
-  if (k) return k->r8.unit && k->r8.group(AVX2, 1) ? 1 : 0;
-  return qt == Q4_0 || qt == Q4_1 || qt == Q4_K;
+  if (const R8Kernels* k = r8_kernels(qt)) return k->unit && k->group(AVX2, 1) ? 1 : 0;
+  return qt == Q4_0 || qt == Q4_1;
 #else
   (void)qt;
   return 0;
@@ -720,8 +656,7 @@ int pr_quant_r8_supported(int qt) {
 // 1 when path `isa` of this build runs the r8 layout of `qt` (Q8_0: the VNNI paths only).
 int pr_quant_r8_isa(int qt, int isa) {
   if (!pr_quant_r8_supported(qt) || isa == SCALAR || !isa_compiled(isa)) return 0;
-  const TypeKernels* k = other_kernels(qt);
-  if (k) return k->r8.group(isa, 1) ? 1 : 0;
+  if (const R8Kernels* k = r8_kernels(qt)) return k->group(isa, 1) ? 1 : 0;
   return !(qt == Q8_0 && isa == AVX2);
 }
 
@@ -733,13 +668,11 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
   if (!pr_quant_r8_supported(qt)) return 1;
   if (N % 8 || K % block_size(qt)) return 2;
   const int64_t nb = K / 32, row_bytes = K / block_size(qt) * block_bytes(qt), bb = r8_block_bytes(qt);
-  if (const TypeKernels* tk = other_kernels(qt)) {
+  if (const R8Kernels* k = r8_kernels(qt)) {
     const int64_t gbytes = r8_group_bytes(qt, K);
-    for (int64_t g = 0; g < N / 8; ++g) tk->r8.repack(w + g * 8 * row_bytes, row_bytes, K, out + g * gbytes);
+    for (int64_t g = 0; g < N / 8; ++g) k->repack(w + g * 8 * row_bytes, row_bytes, K, out + g * gbytes);
     return 0;
   }
-  const bool f32 = r8_f32_scales(qt);
-  const int ss = f32 ? 4 : 2;
   for (int64_t g = 0; g < N / 8; ++g)  // one thread: ~1 ms per million weights, and no barrier to stall on
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* p = out + (g * nb + b) * bb;
@@ -752,14 +685,12 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
         }
         continue;
       }
-      for (int r = 0; r < 8; ++r) {
-        uint8_t q[32];
-        float d, m;
-        decode4(qt, w + (g * 8 + r) * row_bytes, b, q, &d, &m);
-        for (int k = 0; k < 4; ++k)
-          for (int i = 0; i < 4; ++i) p[32 * k + 4 * r + i] = (uint8_t)(q[4 * k + i] | (q[16 + 4 * k + i] << 4));
-        put_scale(p + 128 + r * ss, d, f32);
-        put_scale(p + 128 + 8 * ss + r * ss, m, f32);
+      for (int r = 0; r < 8; ++r) {  // Q4_0 / Q4_1: the nibbles moved, d (and m) as they are
+        const uint8_t* blk = w + (g * 8 + r) * row_bytes + b * block_bytes(qt);
+        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
+        for (int k = 0; k < 4; ++k) std::memcpy(p + 32 * k + 4 * r, qs + 4 * k, 4);  // inputs 4k + i, 16 + 4k + i
+        std::memcpy(p + 128 + 2 * r, blk, 2);
+        if (qt == Q4_1) std::memcpy(p + 144 + 2 * r, blk + 2, 2);
       }
     }
   return 0;
@@ -778,16 +709,14 @@ int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void
 int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* out, int out_bf16) {
   if (!pr_quant_r8_supported(qt)) return 1;
   if (N % 8 || K % block_size(qt)) return 2;
-  if (const TypeKernels* tk = other_kernels(qt)) {  // back to GGUF rows, 8 at a time, then decoded
+  if (const R8Kernels* k = r8_kernels(qt)) {
     if (out_bf16)
-      dequantize_groups(tk, w8, N, K, static_cast<uint16_t*>(out));
+      dequantize_groups(k, w8, N, K, static_cast<uint16_t*>(out));
     else
-      dequantize_groups(tk, w8, N, K, static_cast<float*>(out));
+      dequantize_groups(k, w8, N, K, static_cast<float*>(out));
     return 0;
   }
   const int64_t nb = K / 32, bb = r8_block_bytes(qt);
-  const bool f32 = r8_f32_scales(qt);
-  const int ss = f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t g = 0; g < N / 8; ++g)
     for (int64_t b = 0; b < nb; ++b) {
@@ -802,7 +731,7 @@ int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* 
         continue;
       }
       for (int r = 0; r < 8; ++r) {
-        const float d = get_scale(p + 128 + r * ss, f32), m = get_scale(p + 128 + 8 * ss + r * ss, f32);
+        const float d = h2f(p + 128 + 2 * r), m = qt == Q4_1 ? h2f(p + 144 + 2 * r) : -8.f * d;
         float v[32];
         for (int k = 0; k < 4; ++k)
           for (int i = 0; i < 4; ++i) {

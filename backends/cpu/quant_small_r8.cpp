@@ -130,7 +130,7 @@ inline __m256i dot16_signed(const __m256i* u, const __m256i* t, const int8_t* x)
 
 // Q5_0, Q5_1, IQ4_NL: one unit per block of 32 inputs.
 template <int ISA, int QT, int MB>
-void group32(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
+void group32(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   constexpr bool fifth = QT == Q5_0 || QT == Q5_1;
   constexpr int dat = fifth ? 160 : 128;
   __m256 acc[MB], off[MB];
@@ -170,7 +170,7 @@ void group32(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]
 
 // IQ4_XS: per super-block the 8 rows' d and 6-bit block scales ls (w = d (ls - 32) T[q]).
 template <int ISA, int MB>
-void group_xs(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
+void group_xs(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES)));
