@@ -2,7 +2,9 @@
 
 `quantize_model` is the CPU backend's `quantize_model` hook: each "linear" whose
 GGUF type the kernels run (`QTYPES`: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
-Q5_K, Q6_K, IQ4_NL, IQ4_XS) becomes a `QuantLinear`, and a quantized LM head becomes
+Q5_K, Q6_K, IQ4_NL, IQ4_XS) becomes a `QuantLinear` (a fused linear whose parts are of
+several such types, as in llama.cpp's Q4_K_M files, a `QuantRunsLinear` of one per type,
+`quant_runs.py`), and a quantized LM head becomes
 the model's `quantized_lm_head` (the executor's logits and the model's `compute_logits` go
 through it; an untied head also replaces `model.lm_head`, so no dense copy is loaded); other
 types (none of a usual GGUF file's block types) stay dense. A quantized token embedding
@@ -52,6 +54,7 @@ from polyrunner.backends.cpu import envs, kernel_table, kernels, repack_cache
 from polyrunner.backends.cpu.kernel_calls import call
 from polyrunner.backends.cpu.moe_module import QuantFusedMoE, QuantMoEScratch, QuantStack, quant_library
 from polyrunner.backends.cpu.quant_embedding import QuantEmbedding
+from polyrunner.backends.cpu.quant_runs import QuantRunsLinear
 from polyrunner.backends.cpu.repack_cache import PreparedBlocks
 from polyrunner.backends.cpu.row_linear import RowLinear
 
@@ -263,6 +266,25 @@ class QuantLinear(RowLinear):
                              self.r8)   # raises the error naming what is wrong
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`x [M, in_features]` (unit stride on K) `@ W^T` into `out`, an `[M, out_features]` float32 or
+        bfloat16 view with unit column stride and any row stride (a column slice of a wider output,
+        `quant_runs.QuantRunsLinear`), without the bias: the kernel writes there directly; a step of more
+        than `dense_above` rows computes the dense product, then copies it in."""
+        M, N = x.shape[0], self.out_features
+        if (x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1
+                or x.dtype not in (torch.float32, torch.bfloat16) or tuple(out.shape) != (M, N)
+                or out.stride(1) != 1 or out.dtype not in (torch.float32, torch.bfloat16)):
+            raise ValueError(f"forward_into: x float32/bfloat16 [M, {self.in_features}] with unit stride and out "
+                             f"[M, {N}] with unit column stride expected, got x {x.dtype} {tuple(x.shape)} "
+                             f"{x.stride()}, out {out.dtype} {tuple(out.shape)} {out.stride()}")
+        if M > self.dense_above:
+            out.copy_(self._dense(x))
+            return
+        fn, qt, N, K, isa = self._call
+        _check(call(fn, qt, self.blocks.data_ptr(), N, K, x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16,
+                    M, out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16, isa), "pr_quant_linear")
+
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W^T` in x's dtype through W dequantised a slab of rows at a time (`DENSE_SLAB_BYTES`)."""
         N, K = self.out_features, self.in_features
@@ -301,17 +323,26 @@ def _module(weight, bias: torch.Tensor | None, out_dtype: torch.dtype | None = N
                        prepared=cached is not None)
 
 
+def _runs_module(runs, bias: torch.Tensor | None, prepared: PreparedBlocks) -> QuantRunsLinear | None:
+    """A fused linear of several types over its runs (`QuantizedModel.mixed`), None when a run's type has
+    no kernel (it then stays dense, whole)."""
+    parts = [_module(w, None, prepared=prepared) for w in runs]
+    ready = [p for p in parts if p is not None]
+    return QuantRunsLinear(ready, bias) if len(ready) == len(parts) else None
+
+
 def uses_r8(qtype: str, shape: tuple[int, int], lib: ctypes.CDLL | None = None) -> bool:
     """Whether a `QuantLinear` of this type and shape runs the r8 layout here (the path `default_isa` picks)."""
     return r8_supported(qtype, shape, default_isa(lib), lib)
 
 
 def prepare_blocks(weights) -> PreparedBlocks:
-    """The blocks of the linears and the LM head of `weights` (a `QuantizedModel`) that run in a layout
-    of their own (r8, or a fused linear's stacked rows), from the repack cache (`repack_cache.py`:
-    written at the first start, mapped at every start)."""
+    """The blocks of the linears (a mixed-type fused linear's runs too) and the LM head of `weights` (a
+    `QuantizedModel`) that run in a layout of their own (r8, or a fused linear's stacked rows), from the
+    repack cache (`repack_cache.py`: written at the first start, mapped at every start)."""
     lib = library()
-    matrices = [w for _, _, _, w in weights.linears] + [weights.lm_head]
+    runs = [w for _, _, _, ws in getattr(weights, "mixed", ()) for w in ws]
+    matrices = [w for _, _, _, w in weights.linears] + runs + [weights.lm_head]
 
     def layout(w) -> str | None:
         if w.qtype not in QTYPES or w.shape[1] % 32:
@@ -325,7 +356,8 @@ def prepare_blocks(weights) -> PreparedBlocks:
 
 def quantize_model(model: nn.Module, weights) -> int:
     """The CPU backend's `quantize_model`: swap every linear whose type has a kernel
-    for a `QuantLinear`, set `model.quantized_lm_head` (float32 logits) when the LM
+    for a `QuantLinear` (a fused linear of several types, `weights.mixed`, for a `QuantRunsLinear` of
+    one per run, `quant_runs.py`), set `model.quantized_lm_head` (float32 logits) when the LM
     head's type has one (an untied one replaces `model.lm_head` too), swap a quantized
     token embedding for a `QuantEmbedding` and quantized experts for `QuantFusedMoE`s
     (the module docstring). Returns how many modules it made (0 without the kernel library)."""
@@ -337,6 +369,11 @@ def quantize_model(model: nn.Module, weights) -> int:
         new = _module(weight, dense.bias, prepared=prepared)
         if new is not None:
             setattr(parent, attr, new)
+            n += 1
+    for parent, attr, dense, runs in getattr(weights, "mixed", ()):
+        mixed = _runs_module(runs, dense.bias, prepared)
+        if mixed is not None:
+            setattr(parent, attr, mixed)
             n += 1
     head = None if weights.lm_head is None else _module(weights.lm_head, None, torch.float32, HEAD_PREFILL_ROWS,
                                                         prepared)

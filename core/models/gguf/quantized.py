@@ -15,6 +15,7 @@ Device-neutral: blocks are host numpy bytes; what runs them is the backend's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -53,7 +54,11 @@ class QuantizedModel:
     for an untied quantized head, `model.lm_head` for the module that computes the logits
     (the one it sets as `model.quantized_lm_head`). `experts`: `(parent, attribute, module,
     experts)` per "moe" module whose stacks are block-quantized (`moe.QuantizedExperts`),
-    swapped by `setattr(parent, attribute, new)` for a module of the same call."""
+    swapped by `setattr(parent, attribute, new)` for a module of the same call. `mixed`: `(parent,
+    attribute, module, runs)` per fused linear whose parts are of several types (llama.cpp's Q4_K_M
+    files store `attn_v` in Q6_K next to Q4_K `attn_q` / `attn_k` in half the layers): `runs` are its
+    consecutive same-typed parts stacked, in row order (at least two types; their rows sum to the
+    module's, one width); a backend that leaves it (or does not read this field) keeps it dense."""
 
     linears: list[tuple[nn.Module, str, nn.Module, QuantizedWeight]] = field(default_factory=list)
     lm_head: QuantizedWeight | None = None
@@ -62,10 +67,13 @@ class QuantizedModel:
     experts: list[tuple[nn.Module, str, nn.Module, gguf_moe.QuantizedExperts]] = field(default_factory=list)
     # (parent, attribute, module, checkpoint names) of the embedding, the untied LM head and the experts
     others: list[tuple[nn.Module, str, nn.Module, tuple[str, ...]]] = field(default_factory=list)
+    mixed: list[tuple[nn.Module, str, nn.Module, list[QuantizedWeight]]] = field(default_factory=list)
 
     def replaced_weights(self) -> set[str]:
         """Checkpoint names of the weights of the modules the backend swapped out."""
-        linears = {name for parent, attr, dense, _ in self.linears if getattr(parent, attr) is not dense
+        places = [(parent, attr, dense) for parent, attr, dense, _ in self.linears]
+        places += [(parent, attr, dense) for parent, attr, dense, _ in self.mixed]
+        linears = {name for parent, attr, dense in places if getattr(parent, attr) is not dense
                    for name in self.sources[id(dense)]}
         return linears | {name for parent, attr, dense, names in self.others if getattr(parent, attr) is not dense
                           for name in names}
@@ -145,8 +153,9 @@ def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dic
 def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, Any]) -> QuantizedModel:
     """Match the folder's quantized matrices to the model's "linear" modules (from
     its `replaceable_modules()` hook) and its LM head. A fused linear gets its
-    parts' rows stacked when they share one type; otherwise (mixed types, a
-    part not quantized, a shape that disagrees) it is left out and stays dense."""
+    parts' rows stacked when they share one type, and is in `mixed` (its runs of one
+    type stacked) when they do not; otherwise (a part not quantized, a shape that
+    disagrees) it is left out and stays dense."""
     weights = read_quantized_weights(folder, hf_config)
     names = {id(module): name for name, module in model.named_modules()}
     packed = getattr(model, "packed_modules_mapping", {})
@@ -157,9 +166,14 @@ def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, A
             continue
         prefix, _, leaf = names[id(module)].rpartition(".")
         found = [_find(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
-        stacked = _stack([weights.get(name) for name in found], (module.out_features, module.in_features))
+        parts, shape = [weights.get(name) for name in found], (module.out_features, module.in_features)
+        stacked = _stack(parts, shape)
+        runs = _runs(parts, shape) if stacked is None else None
         if stacked is not None:
             result.linears.append((parent, attr, module, stacked))
+        elif runs is not None:
+            result.mixed.append((parent, attr, module, runs))
+        if stacked is not None or runs is not None:
             result.sources[id(module)] = found
     head = "embed_tokens" if hf_config.get("tie_word_embeddings") else "lm_head"
     result.lm_head = weights.get(_find(weights, head))
@@ -197,3 +211,15 @@ def _stack(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> Quant
     if sum(p.shape[0] for p in parts) != shape[0] or any(p.shape[1] != shape[1] for p in parts):
         return None
     return QuantizedWeight.stacked(parts, shape)
+
+
+def _runs(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> list[QuantizedWeight] | None:
+    """A fused linear's parts of several types as runs of consecutive same-typed parts, each stacked; None
+    when a part is not quantized, the shapes disagree, or there is one type (`_stack`'s case)."""
+    known = [p for p in parts if p is not None]
+    if not known or len(known) != len(parts) or len({p.qtype for p in known}) == 1:
+        return None
+    if sum(p.shape[0] for p in known) != shape[0] or any(p.shape[1] != shape[1] for p in known):
+        return None
+    runs = [list(group) for _, group in itertools.groupby(known, key=lambda p: p.qtype)]
+    return [QuantizedWeight.stacked(run, (sum(p.shape[0] for p in run), shape[1])) for run in runs]
