@@ -230,7 +230,11 @@ def test_physical_cpus_takes_one_cpu_per_core(tmp_path):
 def test_thread_settings_are_checked(monkeypatch):
     from polyrunner.backends.cpu import threads
     monkeypatch.setenv("POLYRUNNER_CPU_THREADS", "3")
-    assert threads.default_threads() == 3
+    with monkeypatch.context() as m:
+        m.setattr(threads, "usable_cpus", lambda: [0, 1, 2, 3])
+        assert threads.default_threads() == 3
+        m.setattr(threads, "usable_cpus", lambda: [1])   # a rank pinned to its share: one CPU
+        assert threads.default_threads() == 1
     monkeypatch.setenv("POLYRUNNER_CPU_THREADS", "auto")
     assert threads.default_threads() == len(threads.physical_cpus()) >= 1
     for bad in ("0", "-2", "many"):

@@ -226,7 +226,7 @@ def test_moe_experts_refused(tmp_path):
     experts = make_peft_adapter(moe, tmp_path / "experts", 4, ["q_proj"], target_parameters=["experts.down_proj"])
     with pytest.raises(ValueError, match=r"'target_parameters': LoRA on parameters \(a MoE layer's experts\)"):
         read_adapter(experts, 16)
-    shared = make_peft_adapter(moe, tmp_path / "shared", 4, ["gate_proj"])
+    shared = make_peft_adapter(moe, tmp_path / "shared", 4, ["shared_expert.gate_proj"])
     with pytest.raises(ValueError, match=r"LoRA on a mixture-of-experts layer's experts is not supported \(module "
                                          r"model\.layers\.0\.mlp\.shared_expert\.gate_proj\)"):
         read_adapter(shared, 16)

@@ -11,7 +11,8 @@ _S = "cpu"
 
 THREADS = declare("POLYRUNNER_CPU_THREADS", int, "auto",
                   "threads of the CPU backend; auto: one per physical core this process may use, less "
-                  "those other processes keep busy", choices=("auto",), ge=1, section=_S)
+                  "those other processes keep busy; a number is capped at the CPUs this process may use",
+                 choices=("auto",), ge=1, section=_S)
 SMALL_STEP_THREADS = declare("POLYRUNNER_CPU_SMALL_STEP_THREADS", int, None,
                              "fixed thread count for steps of at most 16 tokens (clamped to 1.."
                              "POLYRUNNER_CPU_THREADS); unset: the same as other steps", section=_S)

@@ -72,9 +72,12 @@ def threads_auto() -> bool:
 
 
 def default_threads() -> int:
-    """`POLYRUNNER_CPU_THREADS`, or the number of physical cores ("auto", the default)."""
+    """`POLYRUNNER_CPU_THREADS`, or the number of physical cores ("auto", the default). An
+    explicit count is capped at the CPUs this process may use: a tensor-parallel rank or a
+    data-parallel replica pinned to its share of the cores (`rank_cpus`) inherits the setting,
+    and more threads than CPUs only take turns at every barrier of the spinning pool."""
     setting = envs.THREADS.get()
-    return max(1, len(physical_cpus())) if setting == "auto" else setting
+    return max(1, len(physical_cpus())) if setting == "auto" else min(setting, len(usable_cpus()))
 
 
 def spin_us() -> int:
