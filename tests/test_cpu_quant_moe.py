@@ -40,7 +40,10 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from polyrunner import LLM, SamplingParams  # noqa: E402
-from polyrunner.backends.cpu import kernels  # noqa: E402
+from polyrunner.backends.cpu import (
+    kernels,  # noqa: E402
+    repack_cache,  # noqa: E402
+)
 from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402
 from polyrunner.backends.cpu.kernel_calls import REPLAYABLE  # noqa: E402
 from polyrunner.backends.cpu.moe_module import QuantFusedMoE, QuantMoEScratch  # noqa: E402
@@ -227,6 +230,7 @@ def _greedy(llm: LLM):
 
 def test_a_q4_k_m_mixtral_runs_with_quantized_experts(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: tmp_path / "gguf")
+    monkeypatch.setattr(repack_cache, "cache_dir", lambda: tmp_path / "repack")
     shape = MoEShape()
     shape.types["attn_v"] = shape.types["attn"]   # one fused quantized qkv (the module docstring)
     path = write_quant_moe_gguf(tmp_path / "moe.gguf", shape)
@@ -246,6 +250,12 @@ def test_a_q4_k_m_mixtral_runs_with_quantized_experts(tmp_path, monkeypatch):
     assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()]
                 if t.is_floating_point() and t.numel() >= largest]
     assert all(len(o.token_ids) == TOKENS for o in _greedy(llm))
+    # the r8 stacks are views of the repack cache's mapped file, not copies made at load
+    r8 = [b for m in moe for b, on in ((m.gate_blocks, m.r8[0]), (m.up_blocks, m.r8[0]), (m.down_blocks, m.r8[1]))
+          if on]
+    files = list((tmp_path / "repack").glob("*/*.blocks"))
+    assert r8 or not ql.uses_r8("Q4_K", (shape.intermediate, shape.hidden))
+    assert len(files) == 1 and all(b.untyped_storage().nbytes() == files[0].stat().st_size for b in r8)
 
 
 def test_greedy_tokens_equal_the_dequantised_runs_up_to_near_ties(tmp_path, monkeypatch):

@@ -10,17 +10,16 @@ through it; an untied head also replaces `model.lm_head`, so no dense copy is lo
 types (none of a usual GGUF file's block types) stay dense. A quantized token embedding
 becomes a `QuantEmbedding` (`quant_embedding.py`: rows dequantised per lookup; tied to the LM
 head, over the head's blocks), and the "moe" modules whose 3-D expert stacks are quantized
-become `QuantFusedMoE`s (`moe_module.py`) over those blocks: the r8 layout where it keeps their
-bytes (Q4_K's and Q4_0's r8 copies are a third and a ninth larger: those stay in the GGUF
-layout, so the experts, most of a MoE file, take no more memory than in the file).
+become `QuantFusedMoE`s (`moe_module.py`) over those blocks (r8 where the path runs it, from the
+repack cache like the linears', so the experts, most of a MoE file, take no more memory than in
+the file).
 
 A `QuantLinear` keeps the blocks (about 4.5 bits a weight for Q4_1, 6.56 for Q6_K)
 and quantizes its input per row to int8 blocks of 32 on every call, so a decode
 step streams the quantized weights once with integer dot products. The types but
 Q8_0, Q2_K and Q3_K are repacked at load into the kernels' row-interleaved "r8"
-layout (8 output rows per vector; 20 bytes per 32 weights with float16 scales for
-Q4_0/Q4_1, 24 with Q4_K's float32 ones; the others keep their GGUF bytes per
-weight, `quant_kquants_r8.cpp`, `quant_small_r8.cpp`), and so is Q8_0 where the path has
+layout (8 output rows per vector, at the GGUF bytes per weight: `quant_kquants_r8.cpp`,
+`quant_small_r8.cpp`), and so is Q8_0 where the path has
 VNNI (34 bytes, as in GGUF; ~2.5x faster for a small-vocabulary LM head at a few
 rows, the same at 1 row, where the weight stream is the bound); the AVX2 and
 scalar paths run Q8_0's GGUF blocks as they are, and Q2_K / Q3_K run their GGUF
@@ -342,12 +341,16 @@ def prepare_blocks(weights) -> PreparedBlocks:
     repack cache (`repack_cache.py`: written at the first start, mapped at every start)."""
     lib = library()
     runs = [w for _, _, _, ws in getattr(weights, "mixed", ()) for w in ws]
+    experts = {id(w): ex.num_experts for _, _, _, ex in getattr(weights, "experts", ())
+               for w in (ex.gate, ex.up, ex.down)}   # stacks of experts: r8 per expert's rows
     matrices = [w for _, _, _, w in weights.linears] + runs + [weights.lm_head]
+    matrices += [w for _, _, _, ex in getattr(weights, "experts", ()) for w in (ex.gate, ex.up, ex.down)]
 
     def layout(w) -> str | None:
         if w.qtype not in QTYPES or w.shape[1] % 32:
             return None
-        return "r8" if uses_r8(w.qtype, w.shape, lib) else "gguf"
+        rows = w.shape[0] // experts.get(id(w), 1)
+        return "r8" if uses_r8(w.qtype, (rows, w.shape[1]), lib) else "gguf"
 
     tag = f"{Path(getattr(lib, '_name', '') or 'none').name} {default_isa(lib)}"
     return repack_cache.prepare(matrices, layout, lambda w: lib.pr_quant_r8_bytes(QTYPES[w.qtype], *w.shape),
@@ -389,7 +392,7 @@ def quantize_model(model: nn.Module, weights) -> int:
         n += 1
     scratch, isa = QuantMoEScratch(), default_isa()
     for parent, attr, moe, experts in weights.experts:
-        new_moe = _experts(moe, experts, isa, scratch)
+        new_moe = _experts(moe, experts, isa, scratch, prepared)
         if new_moe is not None:
             setattr(parent, attr, new_moe)
             n += 1
@@ -412,7 +415,8 @@ def _embedding(model: nn.Module, weights, head: QuantLinear | None) -> QuantEmbe
                           *quantized.shape, dense.weight.dtype)
 
 
-def _experts(moe: nn.Module, experts, isa: str, scratch: QuantMoEScratch) -> QuantFusedMoE | None:
+def _experts(moe: nn.Module, experts, isa: str, scratch: QuantMoEScratch,
+             prepared: PreparedBlocks | None = None) -> QuantFusedMoE | None:
     """`moe`'s experts over their blocks (`QuantizedExperts`: gate, up, down stacks), None when a type
     has no kernel or the shape is beyond `pr_moe_quant`'s limits."""
     lib = quant_library()
@@ -421,20 +425,25 @@ def _experts(moe: nn.Module, experts, isa: str, scratch: QuantMoEScratch) -> Qua
     types = (experts.gate.qtype, experts.up.qtype, experts.down.qtype)
     if lib is None or any(t not in QTYPES for t in types) or types[0] != types[1] or hidden > 8192 or num > 1024:
         return None
-    gate, up = (_expert_stack(w, num, isa) for w in (experts.gate, experts.up))
-    return QuantFusedMoE(moe, hidden, gate, up, _expert_stack(experts.down, num, isa), ISAS[isa], lib,
+    gate, up = (_expert_stack(w, num, isa, prepared) for w in (experts.gate, experts.up))
+    return QuantFusedMoE(moe, hidden, gate, up, _expert_stack(experts.down, num, isa, prepared), ISAS[isa], lib,
                          *scratch.get(lib, hidden, inter, num, moe.top_k))
 
 
-def _expert_stack(weight, num: int, isa: str) -> QuantStack:
+def _expert_stack(weight, num: int, isa: str, prepared: PreparedBlocks | None = None) -> QuantStack:
     """A stack of `num` experts' rows (`weight`, `[num * N, K]`) as `[num, N, row_bytes]`: the file's
-    blocks as they are (a view of its pages), or each expert repacked to r8 where path `isa` runs that
-    layout and it takes no more bytes than the GGUF one (not Q4_K, Q4_0: a third, a ninth more)."""
+    blocks as they are (a view of its pages), or each expert in r8 where path `isa` runs that layout
+    and it takes no more bytes than the GGUF one: from the repack cache (`prepared`: the whole stack
+    repacked as one matrix, which is each expert's r8 groups in turn, as N is a multiple of 8), else
+    repacked here."""
     lib, qt = library(), QTYPES[weight.qtype]
     (N, K) = shape = weight.shape[0] // num, weight.shape[1]
     stack = torch.from_numpy(weight.blocks).view(num, N, -1)
     if not r8_supported(weight.qtype, shape, isa, lib) or lib.pr_quant_r8_bytes(qt, N, K) > N * stack.shape[2]:
         return QuantStack(weight.qtype, qt, stack, False)
+    cached = prepared.get(weight.key) if prepared is not None else None
+    if cached is not None and cached[0] == "r8":
+        return QuantStack(weight.qtype, qt, cached[1].view(num, N // 8, -1), True)
     out = torch.empty((num, N // 8, lib.pr_quant_r8_bytes(qt, N, K) // (N // 8)), dtype=torch.uint8)
     for e in range(num):   # a loop over experts, once at load
         _check(lib.pr_quant_repack8(qt, stack[e].data_ptr(), N, K, out[e].data_ptr()), "pr_quant_repack8")
