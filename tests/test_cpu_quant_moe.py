@@ -40,10 +40,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from polyrunner import LLM, SamplingParams  # noqa: E402
-from polyrunner.backends.cpu import (
-    kernels,  # noqa: E402
-    repack_cache,  # noqa: E402
-)
+from polyrunner.backends.cpu import kernels, repack_cache  # noqa: E402
 from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402
 from polyrunner.backends.cpu.kernel_calls import REPLAYABLE  # noqa: E402
 from polyrunner.backends.cpu.moe_module import QuantFusedMoE, QuantMoEScratch  # noqa: E402
