@@ -38,7 +38,10 @@ from tolerances import assert_close_ulp, assert_detects_errors, gamma  # noqa: E
 
 QTYPES = list(ql.QTYPES)
 R8_TYPES = set(QTYPES) - {"Q8_0", "Q2_K", "Q3_K"}  # r8 on every SIMD path (Q8_0: the VNNI paths only)
+# "vnni_emulated": the VNNI paths' code with `vpdpbusd` emulated in AVX2 (kernels.VARIANTS), run on every
+# AVX2 CPU; the native VNNI paths run where the CPU has them
 PATHS = [(variant, isa) for variant in ("native", "portable") for isa in ql.ISAS]
+PATHS += [("vnni_emulated", isa) for isa in ("avxvnni", "avx512vnni")]
 
 
 def expects_r8(qtype: str, isa: str) -> bool:

@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -58,6 +59,10 @@ PAIRS = [("Q4_K", "Q6_K"), ("Q8_0", "Q8_0"), ("Q4_0", "Q5_K"), ("IQ4_XS", "Q2_K"
          ("Q4_1", "Q5_1"), ("IQ4_NL", "Q4_K"), ("Q6_K", "IQ4_NL"), ("Q5_K", "IQ4_XS"), ("Q2_K", "Q4_0"),
          ("Q3_K", "Q4_1"), ("Q5_1", "Q5_0")]
 ISAS = [isa for isa in ql.ISAS if ql.isa_unavailable_reason(isa) is None]
+# (kernel build, path): the backend's build on each path it has, and the VNNI paths it lacks through the
+# "vnni_emulated" build (`vpdpbusd` emulated in AVX2, kernels.VARIANTS) where the CPU has AVX2
+PATHS = [(None, isa) for isa in ISAS] + [("vnni_emulated", isa) for isa in ("avxvnni", "avx512vnni")
+                                         if isa not in ISAS and "avx2" in ISAS]
 NEAR_TIE = 0.25   # nats
 
 
@@ -120,17 +125,20 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("variant,isa", PATHS)
 @pytest.mark.parametrize("qt13,qt2", PAIRS)
-def test_the_kernel_is_its_experts_through_the_quantized_linears(qt13, qt2, isa):
-    module, _, blocks = _experts(qt13, qt2, isa=isa, seed=PAIRS.index((qt13, qt2)))
-    assert module.r8 == tuple(ql.r8_supported(q, s, isa) for q, s in ((qt13, (512, 256)), (qt2, (256, 256))))
-    for tokens in (1, 7, 40):   # 40: three passes of 16
-        for dtype in (torch.float32, torch.bfloat16):
-            x, logits = _inputs(tokens, 256, 8, dtype, seed=tokens)
-            got = module(x, logits.to(dtype))
-            assert got.shape == (tokens, 256) and got.dtype == dtype
-            _check(got, _composed(module, blocks, x, logits.to(dtype).float(), isa), dtype)
+def test_the_kernel_is_its_experts_through_the_quantized_linears(qt13, qt2, variant, isa):
+    with kernels.use_kernels(variant) if variant else contextlib.nullcontext():
+        if variant and ql.isa_unavailable_reason(isa) is not None:
+            pytest.skip(f"{variant} build, {isa}: {ql.isa_unavailable_reason(isa)}")
+        module, _, blocks = _experts(qt13, qt2, isa=isa, seed=PAIRS.index((qt13, qt2)))
+        assert module.r8 == tuple(ql.r8_supported(q, s, isa) for q, s in ((qt13, (512, 256)), (qt2, (256, 256))))
+        for tokens in (1, 7, 40):   # 40: three passes of 16
+            for dtype in (torch.float32, torch.bfloat16):
+                x, logits = _inputs(tokens, 256, 8, dtype, seed=tokens)
+                got = module(x, logits.to(dtype))
+                assert got.shape == (tokens, 256) and got.dtype == dtype
+                _check(got, _composed(module, blocks, x, logits.to(dtype).float(), isa), dtype)
 
 
 @pytest.mark.parametrize("qt13,qt2", PAIRS[:4])

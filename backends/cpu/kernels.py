@@ -16,6 +16,9 @@ the AMX linear where the CPU has them) and "portable" (`-DPR_PORTABLE`, and no
 AVX-512 on x86: the plain loops an AVX2-only CPU runs, no AMX).
 `POLYRUNNER_CPU_SIMD=0` makes the backend use the portable one;
 `use_kernels(variant)` switches for a block (tests run every path on every CPU).
+A third, "vnni_emulated", is for tests only: AVX2 code in which the quantized linears' AVX-VNNI and
+AVX-512 VNNI paths are compiled with `vpdpbusd` emulated exactly (quant_common.h), so that a CPU
+without VNNI tests those paths' logic.
 
 `paged_attention(...)` is also registered as the torch custom op
 `polyrunner_cpu::paged_attention` (mutating the KV cache and the output), so a
@@ -65,7 +68,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errn
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-VARIANTS = {"native": [], "portable": ["-DPR_PORTABLE", *(["-mno-avx512f"] if _X86 else [])]}
+VARIANTS = {"native": [], "portable": ["-DPR_PORTABLE", *(["-mno-avx512f"] if _X86 else [])],
+            "vnni_emulated": ["-DPRQ_EMULATE_VNNI", *(["-mno-avx512f", "-mno-avxvnni"] if _X86 else [])]}
 
 # CPU-seconds of one compile of every source (g++ 12, -O3, 2-core Xeon: 9.5 s as one g++ call on an idle
 # host), and the largest file's share (paged_attention.cpp, ~1/3): the first-run estimate in the log

@@ -22,11 +22,18 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PRQ_AVX2 1
 #endif
+#if defined(PRQ_AVX2) && defined(PRQ_EMULATE_VNNI)
+// The "vnni_emulated" build (kernels.py): both VNNI paths compiled over AVX2 with `vpdpbusd` computed
+// exactly by `dpbusd_emulated`, so that a CPU without VNNI runs (and tests) every VNNI kernel's logic.
+#define PRQ_AVX512VNNI 1
+#define PRQ_AVXVNNI 1
+#else
 #if defined(PRQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PR_PORTABLE)
 #define PRQ_AVX512VNNI 1
 #endif
 #if defined(PRQ_AVX2) && defined(__AVXVNNI__) && !defined(PR_PORTABLE)
 #define PRQ_AVXVNNI 1
+#endif
 #endif
 
 namespace prq {
@@ -180,6 +187,18 @@ inline void put_r8_q(uint8_t* p, int r, const uint8_t* q, bool fifth) {  // row 
 }
 
 #ifdef PRQ_AVX2
+#ifdef PRQ_EMULATE_VNNI
+// acc + per 32-bit lane the sum of the 4 products u8 * s8 (`vpdpbusd`'s result, exact: the bytes are
+// widened to int16 before `vpmaddwd`, so nothing saturates).
+inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+}
+#define _mm256_dpbusd_epi32 dpbusd_emulated
+#define _mm256_dpbusd_avx_epi32 dpbusd_emulated
+#endif
+
 template <int ISA>
 inline __m256i dot_u8s8(__m256i u, __m256i s);  // lane i: sum of u[4i..4i+3] * s[4i..4i+3]
 // AVX2: int16 pairs then lanes; exact while every u[2i] s[2i] + u[2i+1] s[2i+1] fits int16, which
