@@ -169,6 +169,38 @@ void row_scalar_decoded(const uint8_t* w, int64_t K, const QRow* a, float* out) 
   }
 }
 
+// A kernel table: the kernel of family F for path isa and mb activation rows (1..MB_MAX), i.e.
+// F::template simd<ISA, MB>() on the SIMD paths this build has and F::template scalar<MB>() on the
+// scalar one (either may be null: a family without that path); null for any other isa or mb.
+template <class F, int MB>
+auto pick_isa(int isa) -> decltype(F::template scalar<MB>()) {
+  switch (isa) {
+#ifdef PRQ_AVX512VNNI
+    case AVX512VNNI: return F::template simd<AVX512VNNI, MB>();
+#endif
+#ifdef PRQ_AVXVNNI
+    case AVXVNNI: return F::template simd<AVXVNNI, MB>();
+#endif
+#ifdef PRQ_AVX2
+    case AVX2: return F::template simd<AVX2, MB>();
+#endif
+    case SCALAR: return F::template scalar<MB>();
+  }
+  return nullptr;
+}
+
+template <class F>
+auto pick_kernel(int isa, int mb) -> decltype(F::template scalar<1>()) {
+  static_assert(MB_MAX == 4, "one case per row count");
+  switch (mb) {
+    case 1: return pick_isa<F, 1>(isa);
+    case 2: return pick_isa<F, 2>(isa);
+    case 3: return pick_isa<F, 3>(isa);
+    case 4: return pick_isa<F, 4>(isa);
+  }
+  return nullptr;
+}
+
 // ---- r8 blocks of 4- and 5-bit values (quant_kquants_r8.cpp, quant_small_r8.cpp) -------------------
 // Per block of 32 inputs and group of 8 rows: 4 nibble vectors (byte 32k + 4r + i: row r's q of input
 // 4k + i in the low nibble, of 16 + 4k + i in the high one; quant_gemm.cpp's Q4 r8 layout), then for
@@ -195,6 +227,8 @@ inline __m256i dpbusd_emulated(__m256i acc, __m256i u, __m256i s) {
   const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
 }
+#undef _mm256_dpbusd_epi32  // a macro in some compilers' headers
+#undef _mm256_dpbusd_avx_epi32
 #define _mm256_dpbusd_epi32 dpbusd_emulated
 #define _mm256_dpbusd_avx_epi32 dpbusd_emulated
 #endif

@@ -330,80 +330,53 @@ void group8_q8(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
 }
 #endif
 
-template <int QT, int MB>
-GroupFn pick_group_isa(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return group8<AVX512VNNI, QT, MB>;
+template <int QT>
+struct Groups {  // pick_kernel's family: the r8 group kernels of Q4_0, Q4_1 and Q8_0 (Q8_0: VNNI only)
+  template <int ISA, int MB>
+  static constexpr GroupFn simd() {
+    if constexpr (QT == Q8_0) {
+#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
+      if constexpr (ISA != AVX2) return group8_q8<ISA, MB>;
 #endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return group8<AVXVNNI, QT, MB>;
-#endif
-    case AVX2: return group8<AVX2, QT, MB>;
+      return nullptr;
+    } else {
+      return group8<ISA, QT, MB>;
+    }
   }
-  return nullptr;
-}
-
-template <int MB>
-GroupFn pick_group_mb(int isa, int qt) {
-  if (qt == Q8_0) {  // VNNI only (see the layout note at the top)
-#ifdef PRQ_AVX512VNNI
-    if (isa == AVX512VNNI) return group8_q8<AVX512VNNI, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    if (isa == AVXVNNI) return group8_q8<AVXVNNI, MB>;
-#endif
-    return nullptr;
-  }
-  if (qt == Q4_1) return pick_group_isa<Q4_1, MB>(isa);
-  return qt == Q4_0 ? pick_group_isa<Q4_0, MB>(isa) : nullptr;
-}
+  template <int MB>
+  static constexpr GroupFn scalar() { return nullptr; }
+};
 
 GroupFn pick_group(int isa, int mb, int qt) {
-  switch (mb) {
-    case 1: return pick_group_mb<1>(isa, qt);
-    case 2: return pick_group_mb<2>(isa, qt);
-    case 3: return pick_group_mb<3>(isa, qt);
-    case 4: return pick_group_mb<4>(isa, qt);
+  switch (qt) {
+    case Q4_0: return pick_kernel<Groups<Q4_0>>(isa, mb);
+    case Q4_1: return pick_kernel<Groups<Q4_1>>(isa, mb);
+    case Q8_0: return pick_kernel<Groups<Q8_0>>(isa, mb);
   }
   return nullptr;
 }
 #endif  // PRQ_AVX2
 
-template <int QT, int MB>
-RowFn pick_mb(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return row_simd<AVX512VNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return row_simd<AVXVNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVX2
-    case AVX2: return row_simd<AVX2, QT, MB>;
-#endif
-    case SCALAR: return row_scalar<QT, MB>;
-  }
-  return nullptr;
-}
-
 template <int QT>
-RowFn pick_qt(int isa, int mb) {
-  switch (mb) {
-    case 1: return pick_mb<QT, 1>(isa);
-    case 2: return pick_mb<QT, 2>(isa);
-    case 3: return pick_mb<QT, 3>(isa);
-    case 4: return pick_mb<QT, 4>(isa);
+struct Rows {  // pick_kernel's family: the GGUF-layout kernels of Q4_0, Q4_1, Q8_0 and Q4_K
+  template <int ISA, int MB>
+  static constexpr RowFn simd() {
+#ifdef PRQ_AVX2
+    return row_simd<ISA, QT, MB>;
+#else
+    return nullptr;
+#endif
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr RowFn scalar() { return row_scalar<QT, MB>; }
+};
 
 RowFn pick(int qt, int isa, int mb) {
   switch (qt) {
-    case Q4_0: return pick_qt<Q4_0>(isa, mb);
-    case Q4_1: return pick_qt<Q4_1>(isa, mb);
-    case Q8_0: return pick_qt<Q8_0>(isa, mb);
-    case Q4_K: return pick_qt<Q4_K>(isa, mb);
+    case Q4_0: return pick_kernel<Rows<Q4_0>>(isa, mb);
+    case Q4_1: return pick_kernel<Rows<Q4_1>>(isa, mb);
+    case Q8_0: return pick_kernel<Rows<Q8_0>>(isa, mb);
+    case Q4_K: return pick_kernel<Rows<Q4_K>>(isa, mb);
   }
   const TypeKernels* k = other_kernels(qt);
   return k && mb >= 1 && mb <= MB_MAX ? k->row(isa, mb) : nullptr;

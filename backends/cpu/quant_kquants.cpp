@@ -248,52 +248,33 @@ void row_q5k(const uint8_t* w, int64_t K, const QRow* a, float* out) {
 
 // ---- tables -----------------------------------------------------------------------------------------
 
-#ifdef PRQ_AVX2
-template <int ISA, int QT, int MB>
-constexpr RowFn row_simd() {
-  if constexpr (QT == Q5_K)
-    return row_q5k<ISA, MB>;
-  else
-    return row_k16<ISA, QT, MB>;
-}
-#endif
-
-template <int QT, int MB>
-RowFn row_isa(int isa) {
-  constexpr DecodeFn D = QT == Q6_K ? decode_q6k : QT == Q5_K ? decode_q5k : QT == Q3_K ? decode_q3k : decode_q2k;
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return row_simd<AVX512VNNI, QT, MB>();
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return row_simd<AVXVNNI, QT, MB>();
-#endif
-#ifdef PRQ_AVX2
-    case AVX2: return row_simd<AVX2, QT, MB>();
-#endif
-    case SCALAR: return row_scalar_decoded<D, MB>;
-  }
-  return nullptr;
-}
-
 template <int QT>
-RowFn row_pick(int isa, int mb) {
-  switch (mb) {
-    case 1: return row_isa<QT, 1>(isa);
-    case 2: return row_isa<QT, 2>(isa);
-    case 3: return row_isa<QT, 3>(isa);
-    case 4: return row_isa<QT, 4>(isa);
+struct Rows {  // pick_kernel's family: the GGUF-layout kernels of QT
+  template <int ISA, int MB>
+  static constexpr RowFn simd() {
+#ifdef PRQ_AVX2
+    if constexpr (QT == Q5_K)
+      return row_q5k<ISA, MB>;
+    else
+      return row_k16<ISA, QT, MB>;
+#else
+    return nullptr;
+#endif
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr RowFn scalar() {
+    constexpr DecodeFn D = QT == Q6_K ? decode_q6k : QT == Q5_K ? decode_q5k : QT == Q3_K ? decode_q3k : decode_q2k;
+    return row_scalar_decoded<D, MB>;
+  }
+};
 
 }  // namespace
 
 const TypeKernels* kquant_kernels(int qt) {
-  static const TypeKernels q6 = {256, 210, true, row_pick<Q6_K>, decode_q6k, kquant_r8(Q6_K)};
-  static const TypeKernels q5 = {256, 176, false, row_pick<Q5_K>, decode_q5k, kquant_r8(Q5_K)};
-  static const TypeKernels q3 = {256, 110, true, row_pick<Q3_K>, decode_q3k, {}};
-  static const TypeKernels q2 = {256, 84, true, row_pick<Q2_K>, decode_q2k, {}};
+  static const TypeKernels q6 = {256, 210, true, pick_kernel<Rows<Q6_K>>, decode_q6k, kquant_r8(Q6_K)};
+  static const TypeKernels q5 = {256, 176, false, pick_kernel<Rows<Q5_K>>, decode_q5k, kquant_r8(Q5_K)};
+  static const TypeKernels q3 = {256, 110, true, pick_kernel<Rows<Q3_K>>, decode_q3k, {}};
+  static const TypeKernels q2 = {256, 84, true, pick_kernel<Rows<Q2_K>>, decode_q2k, {}};
   switch (qt) {
     case Q6_K: return &q6;
     case Q5_K: return &q5;

@@ -234,46 +234,27 @@ void group_k45(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-template <int ISA, int QT, int MB>
-constexpr GroupFn group_fn() {
-  if constexpr (QT == Q6_K)
-    return group_q6k<ISA, MB>;
-  else
-    return group_k45<ISA, QT, MB>;
-}
-
-template <int QT, int MB>
-GroupFn group_isa(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return group_fn<AVX512VNNI, QT, MB>();
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return group_fn<AVXVNNI, QT, MB>();
-#endif
-    case AVX2: return group_fn<AVX2, QT, MB>();
-  }
-  return nullptr;
-}
 template <int QT>
-GroupFn group_pick(int isa, int mb) {
-  switch (mb) {
-    case 1: return group_isa<QT, 1>(isa);
-    case 2: return group_isa<QT, 2>(isa);
-    case 3: return group_isa<QT, 3>(isa);
-    case 4: return group_isa<QT, 4>(isa);
+struct Groups {  // pick_kernel's family: the r8 group kernels of QT (no scalar path)
+  template <int ISA, int MB>
+  static constexpr GroupFn simd() {
+    if constexpr (QT == Q6_K)
+      return group_q6k<ISA, MB>;
+    else
+      return group_k45<ISA, QT, MB>;
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr GroupFn scalar() { return nullptr; }
+};
 #endif  // PRQ_AVX2
 
 }  // namespace
 
 R8Kernels kquant_r8(int qt) {
 #ifdef PRQ_AVX2
-  if (qt == Q6_K) return {256, Q6_UNIT, group_pick<Q6_K>, repack_q6k, dequant_q6k};
-  if (qt == Q5_K) return {256, unit_bytes<Q5_K>(), group_pick<Q5_K>, repack_k45<Q5_K>, dequant_k45<Q5_K>};
-  if (qt == Q4_K) return {256, unit_bytes<Q4_K>(), group_pick<Q4_K>, repack_k45<Q4_K>, dequant_k45<Q4_K>};
+  if (qt == Q6_K) return {256, Q6_UNIT, pick_kernel<Groups<Q6_K>>, repack_q6k, dequant_q6k};
+  if (qt == Q5_K) return {256, unit_bytes<Q5_K>(), pick_kernel<Groups<Q5_K>>, repack_k45<Q5_K>, dequant_k45<Q5_K>};
+  if (qt == Q4_K) return {256, unit_bytes<Q4_K>(), pick_kernel<Groups<Q4_K>>, repack_k45<Q4_K>, dequant_k45<Q4_K>};
 #endif
   (void)qt;
   return {0, 0, nullptr, nullptr, nullptr};

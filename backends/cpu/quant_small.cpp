@@ -112,41 +112,27 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
 
 // ---- tables -----------------------------------------------------------------------------------------
 
-template <int QT, int MB>
-RowFn row_isa(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return row_simd<AVX512VNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return row_simd<AVXVNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVX2
-    case AVX2: return row_simd<AVX2, QT, MB>;
-#endif
-    case SCALAR: return row_scalar_decoded<decode<QT>, MB>;
-  }
-  return nullptr;
-}
-
 template <int QT>
-RowFn row_pick(int isa, int mb) {
-  switch (mb) {
-    case 1: return row_isa<QT, 1>(isa);
-    case 2: return row_isa<QT, 2>(isa);
-    case 3: return row_isa<QT, 3>(isa);
-    case 4: return row_isa<QT, 4>(isa);
+struct Rows {  // pick_kernel's family: the GGUF-layout kernels of QT
+  template <int ISA, int MB>
+  static constexpr RowFn simd() {
+#ifdef PRQ_AVX2
+    return row_simd<ISA, QT, MB>;
+#else
+    return nullptr;
+#endif
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr RowFn scalar() { return row_scalar_decoded<decode<QT>, MB>; }
+};
 
 }  // namespace
 
 const TypeKernels* small_kernels(int qt) {
-  static const TypeKernels q50 = {32, 22, false, row_pick<Q5_0>, decode<Q5_0>, small_r8(Q5_0)};
-  static const TypeKernels q51 = {32, 24, false, row_pick<Q5_1>, decode<Q5_1>, small_r8(Q5_1)};
-  static const TypeKernels nl = {32, 18, false, row_pick<IQ4_NL>, decode<IQ4_NL>, small_r8(IQ4_NL)};
-  static const TypeKernels xs = {256, 136, false, row_pick<IQ4_XS>, decode<IQ4_XS>, small_r8(IQ4_XS)};
+  static const TypeKernels q50 = {32, 22, false, pick_kernel<Rows<Q5_0>>, decode<Q5_0>, small_r8(Q5_0)};
+  static const TypeKernels q51 = {32, 24, false, pick_kernel<Rows<Q5_1>>, decode<Q5_1>, small_r8(Q5_1)};
+  static const TypeKernels nl = {32, 18, false, pick_kernel<Rows<IQ4_NL>>, decode<IQ4_NL>, small_r8(IQ4_NL)};
+  static const TypeKernels xs = {256, 136, false, pick_kernel<Rows<IQ4_XS>>, decode<IQ4_XS>, small_r8(IQ4_XS)};
   switch (qt) {
     case Q5_0: return &q50;
     case Q5_1: return &q51;

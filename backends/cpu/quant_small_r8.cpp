@@ -203,41 +203,22 @@ void group_xs(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out[m], acc[m]);
 }
 
-template <int ISA, int QT, int MB>
-constexpr GroupFn group_fn() {
-  if constexpr (QT == IQ4_XS)
-    return group_xs<ISA, MB>;
-  else
-    return group32<ISA, QT, MB>;
-}
-
-template <int QT, int MB>
-GroupFn group_isa(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return group_fn<AVX512VNNI, QT, MB>();
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return group_fn<AVXVNNI, QT, MB>();
-#endif
-    case AVX2: return group_fn<AVX2, QT, MB>();
-  }
-  return nullptr;
-}
 template <int QT>
-GroupFn group_pick(int isa, int mb) {
-  switch (mb) {
-    case 1: return group_isa<QT, 1>(isa);
-    case 2: return group_isa<QT, 2>(isa);
-    case 3: return group_isa<QT, 3>(isa);
-    case 4: return group_isa<QT, 4>(isa);
+struct Groups {  // pick_kernel's family: the r8 group kernels of QT (no scalar path)
+  template <int ISA, int MB>
+  static constexpr GroupFn simd() {
+    if constexpr (QT == IQ4_XS)
+      return group_xs<ISA, MB>;
+    else
+      return group32<ISA, QT, MB>;
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr GroupFn scalar() { return nullptr; }
+};
 
 template <int QT>
 constexpr R8Kernels r8() {
-  return {QT == IQ4_XS ? 256 : 32, unit_bytes<QT>(), group_pick<QT>, repack<QT>, dequant<QT>};
+  return {QT == IQ4_XS ? 256 : 32, unit_bytes<QT>(), pick_kernel<Groups<QT>>, repack<QT>, dequant<QT>};
 }
 #endif  // PRQ_AVX2
 
