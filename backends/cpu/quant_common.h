@@ -290,6 +290,25 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// acc[m] += f * a[m].d[b] * (the 32 unsigned u with activation block b of row m), for m < MB.
+template <int ISA, int MB>
+inline void block_fma(__m256i u, float f, int64_t b, const QRow* a, __m256* acc) {
+  for (int m = 0; m < MB; ++m) {
+    const __m256i p = dot_u8s8<ISA>(u, load32(a[m].q + b * 32));
+    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(f * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
+  }
+}
+
+// The same for 32 signed w (|w| <= 127): |w| with the activations given w's signs.
+template <int ISA, int MB>
+inline void block_fma_signed(__m256i w, float f, int64_t b, const QRow* a, __m256* acc) {
+  const __m256i u = _mm256_sign_epi8(w, w);
+  for (int m = 0; m < MB; ++m) {
+    const __m256i p = dot_u8s8<ISA>(u, _mm256_sign_epi8(load32(a[m].q + b * 32), w));
+    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(f * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
+  }
+}
+
 // 32 bits (little-endian at p) -> 32 bytes, byte i = 0x10 when bit i is set, else 0 (the fifth
 // bit of Q5_0 / Q5_1 weights).
 inline __m256i bits_to_0x10(const uint8_t* p) {

@@ -215,12 +215,8 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
         const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
         const int64_t ab = sb * 8 + 2 * j;
         const float s0 = d * sc[2 * j], s1 = d * sc[2 * j + 1];
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p0 = dot_u8s8<ISA>(lo, load32(a[m].q + ab * 32));
-          const __m256i p1 = dot_u8s8<ISA>(hi, load32(a[m].q + ab * 32 + 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[m].d[ab]), _mm256_cvtepi32_ps(p0), acc[m]);
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[m].d[ab + 1]), _mm256_cvtepi32_ps(p1), acc[m]);
-        }
+        block_fma<ISA, MB>(lo, s0, ab, a, acc);
+        block_fma<ISA, MB>(hi, s1, ab + 1, a, acc);
       }
       for (int m = 0; m < MB; ++m) {
         float c = 0.f;
@@ -235,19 +231,12 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
       const float d = h2f(blk);
       if (QT == Q8_0) {
         const __m256i wq = load32(reinterpret_cast<const int8_t*>(blk + 2));
-        const __m256i u = _mm256_sign_epi8(wq, wq);  // |w|, and x takes w's sign
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p = dot_u8s8<ISA>(u, _mm256_sign_epi8(load32(a[m].q + b * 32), wq));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-        }
+        block_fma_signed<ISA, MB>(wq, d, b, a, acc);
       } else {
         const __m256i wq = nibbles32(blk + (QT == Q4_1 ? 4 : 2));
         const float off = QT == Q4_1 ? h2f(blk + 2) : -8.f * d;
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p = dot_u8s8<ISA>(wq, load32(a[m].q + b * 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-          corr[m] += off * a[m].s[b];
-        }
+        block_fma<ISA, MB>(wq, d, b, a, acc);
+        for (int m = 0; m < MB; ++m) corr[m] += off * a[m].s[b];
       }
     }
   }

@@ -230,10 +230,7 @@ void row_q5k(const uint8_t* w, int64_t K, const QRow* a, float* out) {
         const int j = 2 * p + i;
         const int64_t b = sb * 8 + j;
         const float f = d * (float)sc[j];
-        for (int m = 0; m < MB; ++m) {  // u <= 31: 31 * 127 * 2 per int16 pair
-          const __m256i q = dot_u8s8<ISA>(u[i], load32(a[m].q + b * 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(f * a[m].d[b]), _mm256_cvtepi32_ps(q), acc[m]);
-        }
+        block_fma<ISA, MB>(u[i], f, b, a, acc);  // u <= 31: 31 * 127 * 2 per int16 pair
       }
     }
     for (int m = 0; m < MB; ++m) {

@@ -59,11 +59,7 @@ void decode(const uint8_t* row, int64_t b, int16_t* v, float* s, float* m) {
 template <int ISA, int MB>
 inline void iq4_block(const uint8_t* qs, float d, int64_t b, __m256i table, const QRow* a, __m256* acc) {
   const __m256i t = _mm256_shuffle_epi8(table, nibbles32(qs));
-  const __m256i u = _mm256_sign_epi8(t, t);  // |T[q]|, and x takes T[q]'s sign
-  for (int m = 0; m < MB; ++m) {
-    const __m256i p = dot_u8s8<ISA>(u, _mm256_sign_epi8(load32(a[m].q + b * 32), t));
-    acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-  }
+  block_fma_signed<ISA, MB>(t, d, b, a, acc);  // T[q]: |T[q]| <= 127
 }
 
 template <int ISA, int QT, int MB>
@@ -99,11 +95,8 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
       const uint8_t* qh = blk + (QT == Q5_1 ? 4 : 2);
       const __m256i u = _mm256_or_si256(nibbles32(qh + 4), bits_to_0x10(qh));
       const float off = QT == Q5_1 ? h2f(blk + 2) : -16.f * d;
-      for (int m = 0; m < MB; ++m) {
-        const __m256i p = dot_u8s8<ISA>(u, load32(a[m].q + b * 32));
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-        corr[m] += off * a[m].s[b];
-      }
+      block_fma<ISA, MB>(u, d, b, a, acc);
+      for (int m = 0; m < MB; ++m) corr[m] += off * a[m].s[b];
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]) + corr[m];
