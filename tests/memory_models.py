@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from polyrunner.tools.conformance.tiny_llama import write_tiny_llama
-from quant_blocks import F16_FIELDS, centered_blocks
+from quant_blocks import scaled_blocks
 
 # (hidden, intermediate, layers, heads, kv_heads, vocab)
 SMALL = (256, 512, 2, 4, 2, 512)
@@ -49,7 +49,7 @@ def write_gguf_llama(path: Path, size: tuple[int, ...], qtype: str, v_qtype: str
     w.add_vocab_size(vocab)
 
     def matrix(name: str, rows: int, cols: int, kind: str = qtype) -> None:
-        blocks = _scaled_blocks(rng, kind, rows, cols)
+        blocks = scaled_blocks(rng, kind, rows, cols, 0.02)
         w.add_tensor(name, blocks, raw_dtype=Q[kind])
 
     def norm(name: str) -> None:
@@ -73,16 +73,3 @@ def write_gguf_llama(path: Path, size: tuple[int, ...], qtype: str, v_qtype: str
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def _scaled_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, std: float = 0.02) -> np.ndarray:
-    """`centered_blocks` whose float16 scales are set for weights of about `std`."""
-    blocks = centered_blocks(rng, qtype, rows, cols)
-    sample = blocks[: min(rows, 64)]
-    factor = std / float(gguf.quants.dequantize(sample, Q[qtype]).std())
-    size = gguf.GGML_QUANT_SIZES[Q[qtype]][1]
-    view = blocks.reshape(rows, -1, size)
-    for off in F16_FIELDS[qtype]:
-        scales = view[:, :, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
-        view[:, :, off:off + 2] = scales.astype(np.float16).view(np.uint8)
-    return blocks

@@ -156,3 +156,18 @@ def magnitude_weights(qtype: str, blocks: np.ndarray) -> np.ndarray:
     a kernel may add up for it (its offset and min terms separately from S * v, which may cancel)."""
     S, v, m = parts(qtype, blocks)
     return np.abs(S) * (np.abs(v) + OFFSET.get(qtype, 0)) + np.abs(m)
+
+
+def scaled_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, weight_std: float) -> np.ndarray:
+    """uint8 `[rows, row_bytes]` of valid random blocks scaled to `weight_std` (F32: float values)."""
+    if qtype == "F32":
+        return (rng.standard_normal((rows, cols)) * weight_std).astype(np.float32)
+    blocks = centered_blocks(rng, qtype, rows, cols)
+    sample = blocks[: min(rows, 16)]
+    factor = weight_std / float(gguf.quants.dequantize(sample, Q[qtype]).std())
+    size = gguf.GGML_QUANT_SIZES[Q[qtype]][1]
+    view = blocks.reshape(rows, -1, size)
+    for off in F16_FIELDS[qtype]:
+        scales = view[:, :, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
+        view[:, :, off:off + 2] = scales.astype(np.float16).view(np.uint8)
+    return blocks

@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from quant_blocks import F16_FIELDS, centered_blocks
+from quant_blocks import scaled_blocks
 
 Q4_K_M = {"attn": "Q4_K", "attn_v": "Q6_K", "gate_up": "Q4_K", "down": "Q4_K", "down_more_bits": "Q6_K",
           "embed": "Q4_K", "output": "Q6_K"}
@@ -39,21 +39,6 @@ class MoEShape:
     kv_heads: int = 2
     context: int = 512
     types: dict[str, str] = field(default_factory=lambda: dict(Q4_K_M))   # part -> GGML type ("output": None, tied)
-
-
-def scaled_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int, weight_std: float) -> np.ndarray:
-    """uint8 `[rows, row_bytes]` of valid random blocks scaled to `weight_std` (F32: float values)."""
-    if qtype == "F32":
-        return (rng.standard_normal((rows, cols)) * weight_std).astype(np.float32)
-    blocks = centered_blocks(rng, qtype, rows, cols)
-    sample = blocks[: min(rows, 16)]
-    factor = weight_std / float(gguf.quants.dequantize(sample, Q[qtype]).std())
-    size = gguf.GGML_QUANT_SIZES[Q[qtype]][1]
-    view = blocks.reshape(rows, -1, size)
-    for off in F16_FIELDS[qtype]:
-        scales = view[:, :, off:off + 2].copy().view(np.float16).astype(np.float32) * factor
-        view[:, :, off:off + 2] = scales.astype(np.float16).view(np.uint8)
-    return blocks
 
 
 def write_quant_moe_gguf(path: Path, shape: MoEShape = MoEShape(), seed: int = 0, weight_std: float = 0.08,

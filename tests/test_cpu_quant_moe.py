@@ -51,7 +51,8 @@ from polyrunner.models.gguf.blocks import QuantizedWeight  # noqa: E402
 from polyrunner.models.gguf.moe import QuantizedExperts  # noqa: E402
 from polyrunner.ops import FusedMoE  # noqa: E402
 from polyrunner.ops.moe import select_experts  # noqa: E402
-from quant_moe_gguf import MoEShape, scaled_blocks, write_quant_moe_gguf  # noqa: E402
+from quant_blocks import scaled_blocks  # noqa: E402
+from quant_moe_gguf import MoEShape, write_quant_moe_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ql.library() is None, reason="no CPU kernel library (no C++ compiler?)")
 # gate/up type, down type: every type of QTYPES at least once in each place
