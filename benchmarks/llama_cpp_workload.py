@@ -5,12 +5,17 @@ calls this file); loads the workload definitions by path so every runner gets
 exactly the same requests.
 
     python benchmarks/llama_cpp_workload.py --model FILE.gguf --workload w2 w3 [--threads 2] [--repeats 3]
+                                            [--max-tokens N]
 
 Every request of a workload is one sequence (slot) of one llama.cpp context,
 and each step decodes every slot's next token in one `llama_decode` batch:
 what llama-server does with `--parallel N` (its slots), without HTTP. W3 is
 one slot. Greedy (argmax of each slot's logits), exactly max_tokens per
 request (end-of-sequence ignored), prompts as token ids.
+
+The model is loaded once (llama.cpp's defaults: mmap on), each workload gets its own context. A
+`LOAD {json}` line gives the start-up (model load + the first workload's context: what `Llama(...)`
+does) and the resident memory after it and at its peak (benchmarks/proc_stats.py).
 """
 
 from __future__ import annotations
@@ -18,30 +23,42 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import time
 
 import numpy as np
 
-from shared_workloads import workloads
+from proc_stats import LoadMeter, end_stats
+from shared_workloads import capped, result, workloads
+
+
+def load_model(model_path: str):
+    """The llama.cpp model of `model_path` (default model parameters)."""
+    import llama_cpp as L
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(model_path.encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp cannot load {model_path}")
+    return model
 
 
 class Slots:
     """One llama.cpp context with `n_seq` sequences decoded together, greedily."""
 
-    def __init__(self, model_path: str, n_seq: int, n_ctx: int, threads: int) -> None:
+    def __init__(self, model, n_seq: int, n_ctx: int, threads: int) -> None:
         import llama_cpp as L
         self.L = L
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(model_path.encode(), L.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp cannot load {model_path}")
+        self.model = model
         p = L.llama_context_default_params()
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = n_ctx, 512, 512, n_seq
         p.n_threads = p.n_threads_batch = threads
         self.ctx = L.llama_init_from_model(self.model, p)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(max(512, n_seq), 0, 1)
+
+    def close(self) -> None:
+        """Free the context (the model stays loaded)."""
+        self.L.llama_batch_free(self.batch)
+        self.L.llama_free(self.ctx)
 
     def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
         """items: (token, position, sequence, wants logits); at most 512 per call."""
@@ -86,31 +103,32 @@ def main() -> None:
     p.add_argument("--workload", nargs="+", default=["w2", "w3"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=None, help="cap every workload's output tokens (smoke runs)")
     args = p.parse_args()
     wl = workloads()
+    model = None
     for name in args.workload:
-        w = wl.make_workload(name)
+        w = capped(wl.make_workload(name), args.max_tokens)
         n_ctx = len(w.prompts) * (max(len(q) for q in w.prompts) + w.max_tokens + 16)
         t0 = time.perf_counter()
-        slots = Slots(args.model, len(w.prompts), n_ctx, args.threads)
+        if model is None:
+            with LoadMeter() as meter:
+                model = load_model(args.model)
+                slots = Slots(model, len(w.prompts), n_ctx, args.threads)
+            print("LOAD " + json.dumps(meter.stats()), flush=True)
+        else:
+            slots = Slots(model, len(w.prompts), n_ctx, args.threads)
         load_s = time.perf_counter() - t0
         slots.generate([q[:8] for q in w.prompts], 4)  # warm-up
-        walls, ttfts, tokens = [], [], None
+        walls, ttfts, tokens = [], [], []
         for _ in range(args.repeats):
             wall, ttft, tokens = slots.generate(w.prompts, w.max_tokens)
             walls.append(wall)
             ttfts.append(ttft)
-        wall, ttft = statistics.median(walls), statistics.median(ttfts)
-        ntok = sum(len(t) for t in tokens)
-        res = dict(runner="llama.cpp", workload=name, wall_s=wall, walls=walls, output_tokens=ntok,
-                   prompt_tokens=w.prompt_tokens, output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall,
-                   load_s=load_s, threads=args.threads, first_tokens=tokens[0][:16])
-        if name == "w2":
-            res["tpot_ms"] = wall / w.max_tokens * 1e3
-        if name == "w3":
-            res["ttft_ms"] = ttft * 1e3
-            res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
+        res = result("llama.cpp", w, walls, ttfts, sum(len(t) for t in tokens), load_s=load_s, threads=args.threads,
+                     first_tokens=tokens[0][:16], **end_stats())
         print("RESULT " + json.dumps(res), flush=True)
+        slots.close()
 
 
 if __name__ == "__main__":

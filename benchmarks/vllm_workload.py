@@ -4,7 +4,10 @@ Runs inside the vLLM venv (see benchmarks/compare.py, which sets it up and
 calls this file); loads the workload definitions by path so both runners get
 exactly the same requests.
 
-    python benchmarks/vllm_workload.py --model FOLDER --workload w1 [--eager] [--repeats 3]
+    python benchmarks/vllm_workload.py --model FOLDER --workload w1 [--eager] [--repeats 3] [--max-tokens N]
+
+A `LOAD {json}` line gives the start-up (the `LLM(...)` call) and the resident memory of this
+process and its children (the engine core) after it and at its peak (benchmarks/proc_stats.py).
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
-from shared_workloads import workloads
+from proc_stats import LoadMeter, end_stats
+from shared_workloads import capped, result, workloads
 
 
 def main() -> None:
@@ -25,6 +28,9 @@ def main() -> None:
     p.add_argument("--eager", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="as polyrunner's dtype auto resolved (compare.py passes it)")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap every workload's output tokens (smoke runs)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's (4096 on CPU)")
     args = p.parse_args()
     n = os.cpu_count() or 1
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
@@ -34,9 +40,12 @@ def main() -> None:
 
     wl = workloads()
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
-              max_model_len=2048, max_num_seqs=64, enable_prefix_caching=False)
+    with LoadMeter() as meter:
+        extra = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+        llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=args.eager, seed=0,
+                  max_model_len=args.max_model_len, max_num_seqs=64, enable_prefix_caching=False, **extra)
     load_s = time.perf_counter() - t0
+    print("LOAD " + json.dumps(meter.stats()), flush=True)
 
     def run(prompts, max_tokens):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -47,25 +56,16 @@ def main() -> None:
 
     run([[5, 6, 7, 8]], 8)  # warm-up
     for name in args.workload:
-        w = wl.make_workload(name)
+        w = capped(wl.make_workload(name), args.max_tokens)
         run(w.prompts[:4], 8)
-        walls, ttfts, ntok, tokens = [], [], 0, None
+        walls, ttfts, ntok, tokens = [], [], 0, []
         for _ in range(args.repeats):
             if name == "w3":
                 ttfts.append(run(w.prompts, 1)[0])
             wall, ntok, tokens = run(w.prompts, w.max_tokens)
             walls.append(wall)
-        wall = statistics.median(walls)
-        res = dict(runner="vllm-" + ("eager" if args.eager else "compiled"), workload=name, wall_s=wall,
-                   walls=walls, output_tokens=ntok, prompt_tokens=w.prompt_tokens,
-                   output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall,
-                   load_s=load_s, first_tokens=tokens[0][:16])
-        if name == "w2":
-            res["tpot_ms"] = wall / w.max_tokens * 1e3
-        if name == "w3":
-            ttft = statistics.median(ttfts)
-            res["ttft_ms"] = ttft * 1e3
-            res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
+        res = result("vllm-" + ("eager" if args.eager else "compiled"), w, walls, ttfts, ntok, load_s=load_s,
+                     first_tokens=tokens[0][:16], **end_stats())
         print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -63,8 +63,9 @@ def instrument(llm, clock: Clock, ops: bool) -> None:
         return
     from polyrunner.backends.cpu.packed_linear import PackedLinear
     from polyrunner.backends.cpu.quant_linear import QuantLinear
+    from polyrunner.backends.cpu.quant_runs import QuantRunsLinear
     for module in ex.model.modules():
-        if isinstance(module, (PackedLinear, QuantLinear)):
+        if isinstance(module, (PackedLinear, QuantLinear, QuantRunsLinear)):   # runs go through forward_into: once
             module.forward = clock.wrap(module.forward, "linear")
     for module in ex.model.modules():   # the attention modules hold the backend's op as `attn_op`
         if callable(getattr(module, "attn_op", None)):

@@ -1,19 +1,22 @@
-"""GGUF-quantized linear kernels (backends/cpu/quant_gemm.cpp) against a dequantised reference.
+"""GGUF-quantized linear kernels (backends/cpu/quant_gemm.cpp, quant_kquants.cpp, quant_kquants_r8.cpp,
+quant_small.cpp, quant_small_r8.cpp) against a dequantised reference, for every GGUF type they run: Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS.
 
 The reference is `gguf.quants.dequantize` (llama.cpp's Python package) of the
-same blocks, multiplied in float64. The kernel quantizes each activation row to
-int8 blocks of 32 (scale max|x| / 127), so an output may differ from the
-reference by at most half a step per activation:
+same blocks, multiplied in float64. Two bounds, both checked for every type,
+both kernel builds, every instruction-set path and both weight layouts (the
+GGUF blocks as they are, and the row-interleaved "r8" copy of every type but Q2_K
+and Q3_K on the SIMD paths, of Q8_0 on the VNNI ones only); paths the CPU lacks are
+skipped with the reason:
 
-    |y - ref| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|
-
-plus float32 accumulation (`tolerances.gamma` of the terms' magnitudes, the
-weights' scale and offset parts counted separately: `magnitude_weights`) and
-one rounding to the output dtype (`tolerances.assert_close_ulp`). That bound
-is the stated tolerance, checked for every quant type, both kernel builds,
-every instruction-set path and both weight layouts (the GGUF blocks as they
-are, and the row-interleaved "r8" copy of the 4-bit types on the SIMD paths);
-paths the CPU lacks are skipped with the reason.
+- against the activations as the kernel quantizes them (int8 blocks of 32, scale
+  max|x| / 127, `pr_quant_quantize_row`): the integer sums are exact, so the output
+  differs only by float32 accumulation, at most `gamma(K + 8)` times the sum of the
+  magnitudes of every part of every product (`quant_blocks.magnitude_weights`: the
+  scale and the offset or min parts of a weight separately), plus one rounding to
+  the output dtype;
+- against the float activations: in addition, half an int8 step per activation,
+      |y - ref| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|.
 """
 
 from __future__ import annotations
@@ -30,36 +33,19 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from polyrunner.backends.cpu import kernels  # noqa: E402
 from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402 - after importorskip
+from quant_blocks import OFFSET, magnitude_weights, parts, random_blocks  # noqa: E402
 from tolerances import assert_close_ulp, assert_detects_errors, gamma  # noqa: E402
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2)}  # float16 scale offsets per block
+QTYPES = list(ql.QTYPES)
+R8_TYPES = set(QTYPES) - {"Q8_0", "Q2_K", "Q3_K"}  # r8 on every SIMD path (Q8_0: the VNNI paths only)
+# "vnni_emulated": the VNNI paths' code with `vpdpbusd` emulated in AVX2 (kernels.VARIANTS), run on every
+# AVX2 CPU; the native VNNI paths run where the CPU has them
 PATHS = [(variant, isa) for variant in ("native", "portable") for isa in ql.ISAS]
+PATHS += [("vnni_emulated", isa) for isa in ("avxvnni", "avx512vnni")]
 
 
-def random_blocks(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
-    """Random blocks (every bit pattern of the integers, Q8_0's -128 included) with sane float16 scales."""
-    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
-    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        scales = rng.uniform(0.002, 0.05, size=(rows, cols // block)).astype(np.float16)
-        data[:, :, off:off + 2] = scales.view(np.uint8).reshape(rows, cols // block, 2)
-    return data.reshape(rows, -1)
-
-
-def magnitude_weights(qtype: str, blocks: np.ndarray) -> np.ndarray:
-    """float64 [N, K]: per weight, the sum of the magnitudes of the parts a kernel adds up for it
-    (Q4_1 d*q + m, Q4_K d*sc*q - dmin*m: |d|*q + |m|, not |w|, which may cancel; Q8_0, Q4_0: |w|),
-    by dequantising a copy with the float16 scales' sign bits set so that every part is >= 0."""
-    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
-    data = blocks.copy().reshape(blocks.shape[0], -1, size)
-    d_off = F16_FIELDS[qtype][0]
-    data[:, :, d_off + 1] &= 0x7F                                      # d >= 0
-    if qtype == "Q4_1":
-        data[:, :, 3] &= 0x7F                                          # m >= 0: d*q + m
-    elif qtype == "Q4_K":
-        data[:, :, 3] |= 0x80                                          # dmin <= 0: d*sc*q - dmin*m
-    return np.abs(gguf.quants.dequantize(data.reshape(blocks.shape), Q[qtype]).astype(np.float64))
+def expects_r8(qtype: str, isa: str) -> bool:
+    return isa != "scalar" and (qtype in R8_TYPES or (qtype == "Q8_0" and isa in ("avxvnni", "avx512vnni")))
 
 
 def reference(qtype: str, blocks: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,6 +59,15 @@ def reference(qtype: str, blocks: np.ndarray, x: np.ndarray) -> tuple[np.ndarray
     rounding = (amax / 254) @ wabs.T
     accumulation = gamma(x.shape[1] + 8) * (np.abs(x) @ magnitude_weights(qtype, blocks).T + rounding)
     return ref, rounding + accumulation
+
+
+def quantized_reference(lib, qtype: str, blocks: np.ndarray, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(xq @ W^T in float64, xq = x as the kernels quantize it (q * d per block of 32); the bound of
+    float32 accumulation of every part of every product, in any order)."""
+    q, d, _, _ = quantize_rows(lib, False, x)
+    xq = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+    w = gguf.quants.dequantize(blocks, Q[qtype]).astype(np.float64)
+    return xq @ w.T, gamma(x.shape[1] + 8) * (np.abs(xq) @ magnitude_weights(qtype, blocks).T)
 
 
 def activations(rng: np.random.Generator, M: int, K: int) -> np.ndarray:
@@ -102,22 +97,51 @@ def test_kernel_within_activation_rounding_of_the_dequantised_reference(variant,
     blocks = random_blocks(rng, qtype, N, K)
     layouts = [(torch.from_numpy(blocks), False)]
     if ql.r8_supported(qtype, (N, K), isa, lib):
+        assert expects_r8(qtype, isa), f"{qtype} on {isa} runs an r8 layout this test does not expect"
         layouts.append((ql.repack8(qtype, layouts[0][0], K, lib), True))
-    elif isa != "scalar" and (qtype != "Q8_0" or isa in ("avxvnni", "avx512vnni")):
+    elif expects_r8(qtype, isa):
         pytest.fail(f"{qtype} on {isa} should run the r8 layout")
     for M in (1, 2, 3, 4, 5, 9):      # every register tile size, and tails
         x = activations(rng, M, K)
-        ref, bound = reference(qtype, blocks, x)
         for out_dtype in (torch.float32, torch.bfloat16):
             for x_dtype in (torch.float32, torch.bfloat16):
                 xt = torch.from_numpy(x).to(x_dtype)
                 xr = xt.float().numpy().astype(np.float64)
                 ref, bound = reference(qtype, blocks, xr)
+                qref, qbound = quantized_reference(lib, qtype, blocks, xt)
                 for w, r8 in layouts:
                     y = ql.quant_matmul(qtype, w, K, xt, out_dtype, isa, lib, r8)
                     assert y.dtype == out_dtype and y.shape == (M, N)
+                    what = f"M={M} r8={r8} out {out_dtype} x {x_dtype}: "
                     assert_close_ulp(y, torch.from_numpy(ref), out_dtype, ulps=1, abs_err=torch.from_numpy(bound),
-                                     msg=f"M={M} r8={r8} out {out_dtype} x {x_dtype}: ")
+                                     msg=what)
+                    assert_close_ulp(y, torch.from_numpy(qref), out_dtype, ulps=1,
+                                     abs_err=torch.from_numpy(qbound), msg=f"{what}(quantized x) ")
+    # the quantized-activation bound is tight: an output 1% off fails it
+    assert_detects_errors(lambda y: assert_close_ulp(y, torch.from_numpy(qref), torch.float32, ulps=1,
+                                                     abs_err=torch.from_numpy(qbound)),
+                          ql.quant_matmul(qtype, layouts[-1][0], K, xt, torch.float32, isa, lib, layouts[-1][1]))
+
+
+@pytest.mark.parametrize("qtype", sorted(R8_TYPES))
+def test_r8_layout_keeps_the_gguf_bytes_per_weight(qtype):
+    """Every r8 copy holds exactly the GGUF bytes (a decode step streams no more than the file's bits
+    per weight, and the process holds no more than the file: Q4_K's and Q4_0's first r8 layouts,
+    with float scales per block, took 1.33x and 1.11x)."""
+    lib = library_or_skip("native", "avx2")
+    N, K = 16, 512
+    blocks = torch.from_numpy(random_blocks(np.random.default_rng(2), qtype, N, K))
+    assert ql.repack8(qtype, blocks, K, lib).numel() == blocks.numel()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_block_parts_decode_like_gguf(qtype):
+    """The bounds' decoder (tests/quant_blocks.py) gives gguf's weights: S * (v - o) - m, float64,
+    equals `gguf.quants.dequantize` (float32) to its rounding."""
+    blocks = random_blocks(np.random.default_rng(5), qtype, 16, 512)
+    S, v, m = parts(qtype, blocks)
+    want = gguf.quants.dequantize(blocks, Q[qtype]).astype(np.float64)
+    np.testing.assert_allclose(S * (v - OFFSET.get(qtype, 0)) - m, want, rtol=2.0 ** -23, atol=0)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -125,7 +149,7 @@ def test_paths_agree_and_dequantize_is_exact(qtype):
     """Every path sums the same integers: they agree to float32 rounding; the C++ dequantiser
     equals gguf's exactly (float32) and to one rounding (bfloat16)."""
     rng = np.random.default_rng(7)
-    N, K = 24, 768 if qtype != "Q4_K" else 512
+    N, K = 24, 768 if gguf.GGML_QUANT_SIZES[Q[qtype]][0] == 32 else 512
     blocks = random_blocks(rng, qtype, N, K)
     x = torch.from_numpy(activations(rng, 6, K))
     outs = {}
@@ -160,7 +184,7 @@ def test_quant_linear_module_decode_and_prefill_paths(qtype):
     blocks = torch.from_numpy(random_blocks(rng, qtype, N, K))
     bias = torch.randn(N, generator=g)
     mod = ql.QuantLinear(qtype, blocks, (N, K), bias)
-    assert mod.r8 == (mod.isa != "scalar" and (qtype != "Q8_0" or ql.default_isa() in ("avxvnni", "avx512vnni")))
+    assert mod.r8 == expects_r8(qtype, ql.default_isa())
     for M in (1, ql.PREFILL_ROWS, ql.PREFILL_ROWS + 1, 100):   # integer kernel; dequantised dense matmul
         x = torch.randn(M, K, generator=g)
         ref, bound = reference(qtype, blocks.numpy(), x.double().numpy())
@@ -224,8 +248,9 @@ def test_activation_quantization_simd_equals_scalar_and_the_formula(variant):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="GGUF type 'Q6_K' has no CPU kernel; allowed: Q4_0, Q4_1, Q8_0, Q4_K"):
-        ql.QuantLinear("Q6_K", torch.zeros(4, 210, dtype=torch.uint8), (4, 256))
+    with pytest.raises(ValueError, match="GGUF type 'IQ2_XXS' has no CPU kernel; allowed: Q4_0, Q4_1, Q5_0, Q5_1, "
+                                         "Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
+        ql.QuantLinear("IQ2_XXS", torch.zeros(4, 66, dtype=torch.uint8), (4, 256))
     blocks = torch.zeros(4, 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"x must be float32/bfloat16 \[M, 32\]"):
         ql.quant_matmul("Q4_1", blocks, 32, torch.zeros(2, 64))

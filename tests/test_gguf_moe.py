@@ -11,9 +11,10 @@ stacked in one 3-D tensor per projection (`ffn_gate_exps` / `ffn_up_exps` `[E, I
 The oracle is transformers on the dequantised model: the same Q8_0 values decoded with
 `gguf.quants.dequantize`, saved as a Hugging Face folder. Polyrunner on the GGUF file in
 float32 (experts read dequantised) gives transformers' greedy tokens (24 new) and logprobs;
-run quantized on the CPU (attention and LM head through the Q8_0 kernels, the 3-D expert
-stacks dequantised through the "moe" role, never as linears) its tokens equal up to a
-near-tie of the float32 reference, as tests/test_cpu_quant_model.py accepts.
+run quantized on the CPU (attention and LM head through the Q8_0 kernels, the embedding
+looked up in its blocks, the 3-D expert stacks kept in their Q8_0 blocks through the "moe"
+role's quantized override, never as linears) its tokens equal up to a near-tie of the float32
+reference, as tests/test_cpu_quant_model.py accepts.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from hf_oracle import hf_greedy, hf_logprobs  # noqa: E402
 from moe_tiny_models import build_moe_model  # noqa: E402
 from polyrunner import LLM, SamplingParams  # noqa: E402
 from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402
+from polyrunner.backends.cpu.moe_module import QuantFusedMoE  # noqa: E402
+from polyrunner.backends.cpu.quant_embedding import QuantEmbedding  # noqa: E402
 from polyrunner.models.arch import DecoderArch  # noqa: E402
 from polyrunner.models.gguf import cache as gguf_cache  # noqa: E402
 from polyrunner.models.gguf import tensors as gguf_tensors  # noqa: E402
@@ -239,20 +242,24 @@ def test_float32_greedy_and_logprobs_equal_transformers_on_the_dequantised_model
                 assert abs(e.logprob - float(lp[len(p) - 1 + i, tid])) <= TOL, f"{kind}: token {i}, id {tid}"
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_quantized_cpu_run_equals_the_dequantised_model_up_to_near_ties(moe_gguf, kind, tmp_path, monkeypatch):
-    """The default run of a .gguf on the CPU: attention (and the LM head) through the Q8_0
-    kernels, the experts as dense stacked parameters. Every step goes through the integer
-    kernels (`PREFILL_ROWS` tokens at most). A prompt's tokens equal the reference's until
-    the first difference, which must be where the reference's top two are within NEAR_TIE."""
+    """The default run of a .gguf on the CPU: attention, the LM head and every sparse layer's
+    experts through the Q8_0 kernels (no dense expert parameter left), the embedding looked up in
+    its blocks. Every step goes through the integer kernels (`PREFILL_ROWS` tokens at most). A
+    prompt's tokens equal the reference's until the first difference, which must be where the
+    reference's top two are within NEAR_TIE."""
     monkeypatch.setattr(gguf_cache, "gguf_cache_root", lambda: tmp_path / "gguf")
     path, _, hf, want = moe_gguf(kind)
     llm, outs = _run(str(path), dtype="float32", quantization="gguf", max_num_batched_tokens=ql.PREFILL_ROWS)
     model = llm.engine.runner.model
     swapped = [m for m in model.modules() if isinstance(m, ql.QuantLinear)]
     assert len(swapped) >= 2 * len(model.layers)   # qkv + o per layer at least
-    moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert moe and all(m.w13_weight.dim() == 3 and m.w13_weight.dtype == torch.float32 for m in moe)
+    sparse = sum(llm.engine.arch.moe.sparse_layers)
+    moe = [m for m in model.modules() if isinstance(m, QuantFusedMoE)]
+    assert len(moe) == sparse and all(m.qtypes == ("Q8_0", "Q8_0") for m in moe)
+    assert not [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.lm_head is model.quantized_lm_head
     early = 0
     for p, out, ref in zip(PROMPTS, outs, want):
         got = out.token_ids

@@ -42,6 +42,7 @@ from polyrunner.backends.cpu.graphs import CPUGraphAPI
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.packed_linear import PackedLinear, pack_lm_head, packing_supported
 from polyrunner.backends.cpu.quant_linear import QuantLinear, quantized_lm_head
+from polyrunner.backends.cpu.quant_runs import QuantRunsLinear
 from polyrunner.plugin_api import (
     BucketPolicy,
     GraphAPI,
@@ -122,7 +123,7 @@ def pool_rows(module: nn.Module) -> int:
     """The most rows `module` (a linear) runs on the pool's kernels; 0 for one that never does."""
     if isinstance(module, PackedLinear):
         return module.pool_rows
-    if isinstance(module, QuantLinear):
+    if isinstance(module, (QuantLinear, QuantRunsLinear)):
         return module.dense_above
     return 0
 

@@ -41,6 +41,12 @@ int pr_lora(int dtype, const void* x, int64_t x_ts, void* y, int64_t y_ts, const
             int64_t L, int64_t S, int64_t R, void* scratch, int64_t chunk);
 int pr_lora_embed(int dtype, const int64_t* ids, void* y, int64_t y_ts, const int32_t* token_lora, const void* lora_a,
                   const void* lora_b, int64_t T, int64_t V, int64_t H, int64_t L, int64_t R);
+int pr_quant_rows(int qt, const uint8_t* w, int r8, int64_t N, int64_t K, const int64_t* ids, int64_t n, void* out,
+                  int64_t o_ts, int out_bf16);
+int pr_moe_quant(int x_bf16, const void* x, int64_t x_ts, const void* logits, int64_t l_ts, int logits_bf16,
+                 int qt13, const void* w1, const void* w3, int r8_13, int qt2, const void* w2, int r8_2, int isa,
+                 void* out, int64_t o_ts, int64_t T, int64_t H, int64_t I, int64_t E, int64_t top_k,
+                 int renormalize, int scoring, void* scratch, int64_t chunk);
 
 // dst[i] = src[idx[i]] for rows of row_bytes bytes (an embedding lookup).
 void pr_gather_rows(const uint8_t* src, int64_t row_bytes, const int64_t* idx, int64_t n, uint8_t* dst) {
@@ -52,12 +58,12 @@ namespace {
 
 enum Kernel {  // kernel_calls.REPLAYABLE, in order
   QUANT_LINEAR = 1, QUANT_LINEAR8, DPBF16_LINEAR, AMX_LINEAR, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROTARY,
-  PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, LORA_EMBED, NUM_KERNELS
+  PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, LORA_EMBED, QUANT_ROWS, MOE_QUANT, NUM_KERNELS
 };
 const char* const NAMES[] = {"", "pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16",
                              "pr_amx_linear_bf16", "pr_rms_norm_bf16", "pr_add_rms_norm_bf16",
                              "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe",
-                             "pr_avx512_linear_bf16", "pr_lora", "pr_lora_embed"};
+                             "pr_avx512_linear_bf16", "pr_lora", "pr_lora_embed", "pr_quant_rows", "pr_moe_quant"};
 constexpr int64_t WORDS = 27;
 
 template <typename T>
@@ -118,6 +124,14 @@ int run(const int64_t* r) {
     case LORA_EMBED:
       return pr_lora_embed(int(a[0]), p<const int64_t>(a[1]), p<void>(a[2]), a[3], p<const int32_t>(a[4]),
                            p<const void>(a[5]), p<const void>(a[6]), a[7], a[8], a[9], a[10], a[11]);
+    case QUANT_ROWS:
+      return pr_quant_rows(int(a[0]), p<const uint8_t>(a[1]), int(a[2]), a[3], a[4], p<const int64_t>(a[5]), a[6],
+                           p<void>(a[7]), a[8], int(a[9]));
+    case MOE_QUANT:
+      return pr_moe_quant(int(a[0]), p<const void>(a[1]), a[2], p<const void>(a[3]), a[4], int(a[5]), int(a[6]),
+                          p<const void>(a[7]), p<const void>(a[8]), int(a[9]), int(a[10]), p<const void>(a[11]),
+                          int(a[12]), int(a[13]), p<void>(a[14]), a[15], a[16], a[17], a[18], a[19], a[20],
+                          int(a[21]), int(a[22]), p<void>(a[23]), a[24]);
   }
   return -1;  // unknown kernel id
 }

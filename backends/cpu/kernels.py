@@ -16,6 +16,9 @@ the AMX linear where the CPU has them) and "portable" (`-DPR_PORTABLE`, and no
 AVX-512 on x86: the plain loops an AVX2-only CPU runs, no AMX).
 `POLYRUNNER_CPU_SIMD=0` makes the backend use the portable one;
 `use_kernels(variant)` switches for a block (tests run every path on every CPU).
+A third, "vnni_emulated", is for tests only: AVX2 code in which the quantized linears' AVX-VNNI and
+AVX-512 VNNI paths are compiled with `vpdpbusd` emulated exactly (quant_common.h), so that a CPU
+without VNNI tests those paths' logic.
 
 `paged_attention(...)` is also registered as the torch custom op
 `polyrunner_cpu::paged_attention` (mutating the KV cache and the output), so a
@@ -50,7 +53,8 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 SOURCES = [SOURCE, Path(__file__).with_name("linear_amx.cpp"),  # built into one library
            Path(__file__).with_name("linear_bf16.cpp"), Path(__file__).with_name("thread_pool.cpp"),
            Path(__file__).with_name("argmax.cpp")]
-SOURCES += [Path(__file__).with_name("quant_gemm.cpp")]  # GGUF-quantized linears (quant_linear.py)
+SOURCES += [Path(__file__).with_name(f"quant_{name}.cpp")  # GGUF-quantized linears (quant_linear.py), rows
+            for name in ("gemm", "kquants", "kquants_r8", "small", "small_r8", "rows")]
 SOURCES += [Path(__file__).with_name("graph_replay.cpp")]  # CPU graphs' replayer (graphs.py)
 SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefill attention (attention.py)
 SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)
@@ -59,12 +63,13 @@ SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
            Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h"),
-           Path(__file__).with_name("micro_pick.h")]
+           Path(__file__).with_name("micro_pick.h"), Path(__file__).with_name("quant_common.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-VARIANTS = {"native": [], "portable": ["-DPR_PORTABLE", *(["-mno-avx512f"] if _X86 else [])]}
+VARIANTS = {"native": [], "portable": ["-DPR_PORTABLE", *(["-mno-avx512f"] if _X86 else [])],
+            "vnni_emulated": ["-DPRQ_EMULATE_VNNI", *(["-mno-avx512f", "-mno-avxvnni"] if _X86 else [])]}
 
 # CPU-seconds of one compile of every source (g++ 12, -O3, 2-core Xeon: 9.5 s as one g++ call on an idle
 # host), and the largest file's share (paged_attention.cpp, ~1/3): the first-run estimate in the log

@@ -15,6 +15,15 @@
 // No allocation: the caller passes `scratch` of pr_moe_scratch_bytes(chunk, ...) bytes and the
 // tokens go in chunks of `chunk` (each chunk re-reads the active experts' weights).
 // The portable build (PR_PORTABLE, CPUs without AVX-512) runs the same code with plain loops.
+//
+// pr_moe_quant is the same call over experts kept in GGUF blocks (a quantized GGUF file's 3-D
+// stacks as the file holds them, moe_module.py's `QuantFusedMoE`): gate and up [E, I rows of H],
+// down [E, H rows of I], each expert's rows contiguous, in the GGUF layout or the r8 layout of
+// quant_gemm.cpp. The routing and the weighted sum are pr_moe's; in between, the chunk's x rows
+// are gathered in expert order and each active expert's rows run through the quantized linear
+// (`pr_quant_linear` / `..._linear8`: int8 activations, the pool's threads over the expert's output
+// rows): gate and up into one [rows, 2I] buffer, silu(gate) * up in place, down. A decode step
+// reads only its active experts' blocks.
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +38,18 @@
 
 #include "thread_pool.h"
 #include "widen_dot.h"
+
+extern "C" {   // the quantized linears (quant_gemm.cpp)
+int pr_quant_block_bytes(int qt);
+int pr_quant_block_size(int qt);
+int pr_quant_isa_compiled(int isa);
+int pr_quant_r8_isa(int qt, int isa);
+int64_t pr_quant_r8_bytes(int qt, int64_t N, int64_t K);
+int pr_quant_linear(int qt, const uint8_t* w, int64_t N, int64_t K, const void* x, int64_t ldx, int x_bf16,
+                    int64_t M, void* y, int64_t ldy, int y_bf16, int isa);
+int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void* x, int64_t ldx, int x_bf16,
+                     int64_t M, void* y, int64_t ldy, int y_bf16, int isa);
+}
 
 namespace {
 constexpr int64_t TILE_I = 16;     // gate_up item: 16 columns of I (32 weight rows)
@@ -61,22 +82,24 @@ const float* const* widen(int nr, const W* const* w, int64_t K, int64_t rows, fl
   return ptrs;
 }
 
-// The scratch of one chunk of up to C tokens (P = C * k pairs), 64-byte aligned pieces.
+// The scratch of one chunk of up to C tokens (P = C * k pairs), 64-byte aligned pieces; `quant`
+// (pr_moe_quant): x gathered per pair and the whole gate_up output kept, as the sizes say.
 struct Scratch {
-  float* xf;          // [C, H] the chunk's x in float32
+  float* xf;          // [C, H] the chunk's x in float32 (quant: [P, H], by sorted position)
   int32_t* ids;       // [P] pair p = t * k + j: its expert
   float* wts;         // [P] its routing weight
   int32_t* pos;       // [P] its position in the expert-sorted order
   int32_t* tok;       // [P] sorted position -> token
   int64_t* start;     // [E + 1] the experts' first sorted positions
   int32_t* active;    // [E] experts that received pairs
-  float* act;         // [P, I] silu(gate) * up, by sorted position
+  float* act;         // [P, I] silu(gate) * up, by sorted position (quant: [P, 2I], gate_up, then act in
+                      // the first I columns)
   float* y;           // [P, H] the expert outputs, by sorted position
 };
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
-int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base, Scratch* s) {
+int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base, Scratch* s, bool quant = false) {
   const int64_t P = C * k;
   int64_t off = 0;
   auto take = [&](int64_t bytes) {
@@ -84,14 +107,14 @@ int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base
     off += align64(bytes);
     return p;
   };
-  char* xf = take(C * H * 4);
+  char* xf = take((quant ? P : C) * H * 4);
   char* ids = take(P * 4);
   char* wts = take(P * 4);
   char* pos = take(P * 4);
   char* tok = take(P * 4);
   char* start = take((E + 1) * 8);
   char* active = take(E * 4);
-  char* act = take(P * I * 4);
+  char* act = take(P * I * (quant ? 8 : 4));
   char* y = take(P * H * 4);
   if (s) *s = {reinterpret_cast<float*>(xf), reinterpret_cast<int32_t*>(ids), reinterpret_cast<float*>(wts),
                reinterpret_cast<int32_t*>(pos), reinterpret_cast<int32_t*>(tok), reinterpret_cast<int64_t*>(start),
@@ -102,7 +125,7 @@ int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base
 using pr::run_items;
 
 struct Args {
-  int dtype;   // 0 float32, 1 bfloat16 (x, weights, out)
+  int dtype;   // 0 float32, 1 bfloat16 (x, weights, out; pr_moe_quant: x, out)
   const void* x;
   int64_t x_ts;
   const void* logits;
@@ -165,9 +188,32 @@ void route(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
   }
 }
 
+// out's rows [t0, t0 + C): per token the weighted sum of its pairs' expert outputs, in float32, rounded once.
+void combine(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
+  const int64_t H = a.H, k = a.k;
+  run_items((C + 7) / 8, [&](int64_t i) {
+    float acc[8192];
+    for (int64_t t = 8 * i; t < std::min(C, 8 * i + 8); ++t) {
+      for (int64_t h = 0; h < H; ++h) acc[h] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = s.wts[t * k + j];
+        const float* yr = s.y + int64_t(s.pos[t * k + j]) * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
+      }
+      char* row = static_cast<char*>(a.out) + (t0 + t) * a.o_ts * (a.dtype ? 2 : 4);
+      for (int64_t h = 0; h < H; ++h) {
+        if (a.dtype)
+          reinterpret_cast<uint16_t*>(row)[h] = f32_to_bf16(acc[h]);
+        else
+          reinterpret_cast<float*>(row)[h] = acc[h];
+      }
+    }
+  });
+}
+
 template <class W>
 void experts(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
-  const int64_t H = a.H, I = a.I, E = a.E, k = a.k;
+  const int64_t H = a.H, I = a.I, E = a.E;
   // x -> float32
   run_items((C + 15) / 16, [&](int64_t i) {
     for (int64_t t = 16 * i; t < std::min(C, 16 * i + 16); ++t) {
@@ -233,25 +279,61 @@ void experts(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
       }
     }
   });
-  // the weighted sum per token, in float32, rounded once
-  run_items((C + 7) / 8, [&](int64_t i) {
-    float acc[8192];
-    for (int64_t t = 8 * i; t < std::min(C, 8 * i + 8); ++t) {
-      for (int64_t h = 0; h < H; ++h) acc[h] = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        const float w = s.wts[t * k + j];
-        const float* yr = s.y + int64_t(s.pos[t * k + j]) * H;
-        for (int64_t h = 0; h < H; ++h) acc[h] += w * yr[h];
-      }
-      char* row = static_cast<char*>(a.out) + (t0 + t) * a.o_ts * (a.dtype ? 2 : 4);
-      for (int64_t h = 0; h < H; ++h) {
-        if (a.dtype)
-          reinterpret_cast<uint16_t*>(row)[h] = f32_to_bf16(acc[h]);
-        else
-          reinterpret_cast<float*>(row)[h] = acc[h];
-      }
+  combine(a, t0, C, s);
+}
+
+// The quantized experts of pr_moe_quant: the GGUF type, layout (r8) and bytes per expert of a stack.
+struct QuantStack {
+  int qt;
+  const uint8_t* w;
+  bool r8;
+  int64_t expert_bytes;
+};
+
+// Rows [r0, r1) (sorted positions) of x [.., ldx] times expert e's N rows of K weights -> y [.., ldy].
+int quant_rows(const QuantStack& q, int isa, int64_t e, int64_t N, int64_t K, const float* x, int64_t ldx,
+               int64_t r0, int64_t r1, float* y, int64_t ldy) {
+  const auto fn = q.r8 ? pr_quant_linear8 : pr_quant_linear;
+  return fn(q.qt, q.w + e * q.expert_bytes, N, K, x + r0 * ldx, ldx, 0, r1 - r0, y + r0 * ldy, ldy, 0, isa);
+}
+
+// The chunk's routed rows through the active experts' quantized gate and up, silu(gate) * up, down.
+int experts_quant(const Args& a, const QuantStack& w1, const QuantStack& w3, const QuantStack& w2, int isa,
+                  int64_t t0, int64_t C, const Scratch& s) {
+  const int64_t H = a.H, I = a.I, E = a.E, P = C * a.k;
+  run_items((P + 15) / 16, [&](int64_t i) {   // x rows in expert order, float32
+    for (int64_t q = 16 * i; q < std::min(P, 16 * i + 16); ++q) {
+      const char* row = static_cast<const char*>(a.x) + (t0 + s.tok[q]) * a.x_ts * (a.dtype ? 2 : 4);
+      for (int64_t h = 0; h < H; ++h)
+        s.xf[q * H + h] = a.dtype ? bf16_to_f32(reinterpret_cast<const uint16_t*>(row)[h])
+                                  : reinterpret_cast<const float*>(row)[h];
     }
   });
+  for (int64_t e = 0; e < E; ++e)   // quantized linears per active expert (threads over its rows)
+    if (s.start[e + 1] > s.start[e] &&
+        (quant_rows(w1, isa, e, I, H, s.xf, H, s.start[e], s.start[e + 1], s.act, 2 * I) ||
+         quant_rows(w3, isa, e, I, H, s.xf, H, s.start[e], s.start[e + 1], s.act + I, 2 * I)))
+      return 2;
+  run_items((P + 15) / 16, [&](int64_t i) {
+    for (int64_t r = 16 * i; r < std::min(P, 16 * i + 16); ++r) {
+      float* gu = s.act + r * 2 * I;
+      for (int64_t c = 0; c < I; ++c) gu[c] = gu[c] / (1.0f + std::exp(-gu[c])) * gu[I + c];
+    }
+  });
+  for (int64_t e = 0; e < E; ++e)
+    if (s.start[e + 1] > s.start[e] &&
+        quant_rows(w2, isa, e, H, I, s.act, 2 * I, s.start[e], s.start[e + 1], s.y, H))
+      return 2;
+  combine(a, t0, C, s);
+  return 0;
+}
+
+// A stack of E experts of N rows of K weights of type qt: its layout checked for path isa.
+bool quant_stack(int qt, const void* w, int r8, int isa, int64_t N, int64_t K, QuantStack* out) {
+  const int bytes = pr_quant_block_bytes(qt), size = bytes ? pr_quant_block_size(qt) : 0;
+  if (!bytes || !pr_quant_isa_compiled(isa) || K % size || (r8 && (!pr_quant_r8_isa(qt, isa) || N % 8))) return false;
+  *out = {qt, static_cast<const uint8_t*>(w), r8 != 0, r8 ? pr_quant_r8_bytes(qt, N, K) : N * (K / size) * bytes};
+  return true;
 }
 }  // namespace
 
@@ -293,6 +375,42 @@ int pr_moe(int dtype, const void* x, int64_t x_ts, const void* logits, int64_t l
       experts<uint16_t>(a, t0, C, s);
     else
       experts<float>(a, t0, C, s);
+  }
+  return 0;
+}
+
+// Bytes of scratch pr_moe_quant needs for chunks of `chunk` tokens.
+int64_t pr_moe_quant_scratch_bytes(int64_t chunk, int64_t H, int64_t I, int64_t E, int64_t top_k) {
+  return layout(chunk, H, I, E, top_k, nullptr, nullptr, true);
+}
+
+// pr_moe with the experts in GGUF blocks (see the top of this file): x and out float32, or bfloat16
+// when x_bf16; w1 (gate) and w3 (up) E experts' I rows of H weights of GGML type qt13, w2 (down) E
+// experts' H rows of I weights of type qt2, each in the r8 layout when r8_13 / r8_2
+// (pr_quant_repack8 of each expert's rows), run on instruction-set path isa (quant_gemm.cpp's
+// numbering). scratch: pr_moe_quant_scratch_bytes(chunk, H, I, E, top_k) bytes. Returns 0; 1 for
+// unsupported arguments (pr_moe's limits, a row stride below its row, a type or layout this build
+// does not run on isa, H or I not a multiple of the type's block); 2 when a quantized linear failed.
+int pr_moe_quant(int x_bf16, const void* x, int64_t x_ts, const void* logits, int64_t l_ts, int logits_bf16,
+                 int qt13, const void* w1, const void* w3, int r8_13, int qt2, const void* w2, int r8_2, int isa,
+                 void* out, int64_t o_ts, int64_t T, int64_t H, int64_t I, int64_t E, int64_t top_k,
+                 int renormalize, int scoring, void* scratch, int64_t chunk) {
+  QuantStack q1, q3, q2;
+  if (H < 1 || H > 8192 || I < 1 || E < 1 || E > 1024 || top_k < 1 || top_k > E || chunk < 1 || T < 0 ||
+      x_ts < H || o_ts < H || l_ts < E || (x_bf16 != 0 && x_bf16 != 1) ||
+      !quant_stack(qt13, w1, r8_13, isa, I, H, &q1) || !quant_stack(qt13, w3, r8_13, isa, I, H, &q3) ||
+      !quant_stack(qt2, w2, r8_2, isa, H, I, &q2))
+    return 1;
+  const Args a{x_bf16, x, x_ts, logits, l_ts, logits_bf16, nullptr, nullptr, out, o_ts, H, I, E, top_k,
+               renormalize != 0, scoring == 1};
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) / 64 * 64);
+  Scratch s;
+  layout(chunk, H, I, E, top_k, base, &s, true);
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t C = std::min(chunk, T - t0);
+    route(a, t0, C, s);
+    const int rc = experts_quant(a, q1, q3, q2, isa, t0, C, s);
+    if (rc) return rc;
   }
   return 0;
 }

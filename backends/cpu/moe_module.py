@@ -6,11 +6,19 @@ it). The module keeps the reference's attributes and its parameters themselves (
 `[E, 2I, H]` gate then up, `w2_weight` `[E, H, I]`, unpacked: the kernel reads that layout). The
 factory `MoEOverride` gives the modules of one shape one scratch buffer, sized once for chunks of
 `chunk_tokens(...)` tokens (no allocation per call; layers run one at a time).
+
+`QuantFusedMoE` is the same call over experts kept in GGUF blocks (a quantized GGUF file's 3-D
+gate, up and down stacks, as the file holds them, swapped in by `quant_linear.quantize_model`
+before any weight is read): one `pr_moe_quant` call per layer, routing and weighted sum as
+`pr_moe`'s, each active expert's rows through the quantized linear kernels (int8 activations, like
+every `QuantLinear`), so a decode step reads only its active experts' blocks. It holds no dense
+weight (no `w13_weight` / `w2_weight`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -90,3 +98,106 @@ class MoEOverride:
             self.scratch[key] = torch.empty(size, dtype=torch.uint8), chunk
         scratch, chunk = self.scratch[key]
         return CPUFusedMoE(module, lib, scratch, chunk)
+
+
+# ---- experts in GGUF blocks -----------------------------------------------------------
+
+QUANT_MAX_TOKENS = 2048   # tokens per pass at most (the scratch is sized once, before the scheduler's budget is known)
+_declared: set[int] = set()
+
+
+class QuantStack(NamedTuple):
+    """One weight stack of `QuantFusedMoE`: GGML type `qtype` (its id `type_id`, `quant_linear.QTYPES`),
+    uint8 `blocks` `[E, rows, row_bytes]`, or with `r8` each expert's rows in the r8 layout
+    (`[E, rows / 8, group_bytes]`, `quant_linear.repack8`)."""
+
+    qtype: str
+    type_id: int
+    blocks: torch.Tensor
+    r8: bool
+
+
+def quant_chunk_tokens(hidden: int, intermediate: int, top_k: int, max_tokens: int = QUANT_MAX_TOKENS) -> int:
+    """Tokens per `pr_moe_quant` pass: as many as `SCRATCH_BUDGET` holds (per routed pair its float32
+    x, gate_up and output rows), at most `max_tokens`, at least 1."""
+    per_token = top_k * (8 * hidden + 8 * intermediate + 16)
+    return max(1, min(max_tokens, SCRATCH_BUDGET // per_token))
+
+
+def quant_library() -> ctypes.CDLL | None:
+    """The kernel library with `pr_moe_quant` declared; None without one."""
+    lib = kernels.paged_attention_kernel()
+    if lib is not None and id(lib) not in _declared:
+        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+        lib.pr_moe_quant.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, ptr, ptr, i32, i32, ptr, i32, i32, ptr, i64,
+                                     i64, i64, i64, i64, i64, i32, i32, ptr, i64]
+        lib.pr_moe_quant.restype = i32
+        lib.pr_moe_quant_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
+        lib.pr_moe_quant_scratch_bytes.restype = i64
+        _declared.add(id(lib))
+    return lib
+
+
+class QuantFusedMoE(nn.Module):
+    """`FusedMoE`'s call (`forward(x [T, H], router_logits [T, E]) -> [T, H]`, x's dtype) over experts in
+    GGUF blocks: `gate` and `up` (each expert's I rows of H; one type and layout) and `down` (H rows
+    of I), run on the quantized kernels' path `isa` (`quant_linear.ISAS`); the role's attributes but
+    the weights (`num_experts`, `top_k`, `intermediate`, `renormalize`, `scoring`) are `moe`'s; the
+    blocks are buffers (`qtypes`, `r8`: gate/up's and down's). `scratch` and `chunk`:
+    `QuantMoEScratch`'s, shared by the layers of one shape."""
+
+    def __init__(self, moe: FusedMoE, hidden: int, gate: QuantStack, up: QuantStack, down: QuantStack, isa: int,
+                 lib: ctypes.CDLL, scratch: torch.Tensor, chunk: int) -> None:
+        super().__init__()
+        if (gate.qtype, gate.r8) != (up.qtype, up.r8):
+            raise ValueError(f"gate ({gate.qtype}{' r8' if gate.r8 else ''}) and up ({up.qtype}"
+                             f"{' r8' if up.r8 else ''}) must share a type and layout")
+        for name in ("num_experts", "top_k", "intermediate", "renormalize", "scoring"):
+            setattr(self, name, getattr(moe, name))
+        self.hidden, self.isa, self.lib, self.scratch, self.chunk = hidden, isa, lib, scratch, chunk
+        self.qtypes, self.r8 = (gate.qtype, down.qtype), (gate.r8, down.r8)
+        self._type_ids = (gate.type_id, down.type_id)
+        self.register_buffer("gate_blocks", gate.blocks, persistent=False)
+        self.register_buffer("up_blocks", up.blocks, persistent=False)
+        self.register_buffer("down_blocks", down.blocks, persistent=False)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in kernels.DTYPES or x.dim() != 2 or x.stride(-1) != 1:   # not a step's rows: made so
+            return self.forward(x.reshape(-1, self.hidden).float().contiguous(), router_logits).to(x.dtype)
+        if router_logits.dtype not in kernels.DTYPES or router_logits.stride(-1) != 1:
+            router_logits = router_logits.float().contiguous()
+        tokens = x.shape[0]
+        out = torch.empty((tokens, self.hidden), dtype=x.dtype)
+        rc = call(self.lib.pr_moe_quant, kernels.DTYPES[x.dtype], x.data_ptr(), x.stride(0), router_logits.data_ptr(),
+                  router_logits.stride(0), int(router_logits.dtype == torch.bfloat16), self._type_ids[0],
+                  self.gate_blocks.data_ptr(), self.up_blocks.data_ptr(), int(self.r8[0]), self._type_ids[1],
+                  self.down_blocks.data_ptr(), int(self.r8[1]), self.isa, out.data_ptr(), out.stride(0), tokens,
+                  self.hidden, self.intermediate,
+                  self.num_experts, self.top_k, int(self.renormalize), SCORINGS[self.scoring],
+                  self.scratch.data_ptr(), self.chunk)
+        if rc != 0:
+            raise RuntimeError(f"CPU quantized MoE kernel failed (code {rc}) for {self.extra_repr()}")
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, intermediate={self.intermediate}, "
+                f"hidden={self.hidden}, gate/up={self.qtypes[0]}{' r8' if self.r8[0] else ''}, "
+                f"down={self.qtypes[1]}{' r8' if self.r8[1] else ''}, chunk={self.chunk}")
+
+
+class QuantMoEScratch:
+    """One scratch buffer per layer shape for `QuantFusedMoE`s (layers run one at a time)."""
+
+    def __init__(self, max_tokens: int = QUANT_MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.buffers: dict[ScratchKey, tuple[torch.Tensor, int]] = {}
+
+    def get(self, lib: ctypes.CDLL, hidden: int, intermediate: int, experts: int, top_k: int
+            ) -> tuple[torch.Tensor, int]:
+        """`(scratch, chunk)` for that shape, made on first use."""
+        key = (hidden, intermediate, experts, top_k)
+        if key not in self.buffers:
+            chunk = quant_chunk_tokens(hidden, intermediate, top_k, self.max_tokens)
+            size = lib.pr_moe_quant_scratch_bytes(chunk, *key)
+            self.buffers[key] = torch.empty(size, dtype=torch.uint8), chunk
+        return self.buffers[key]

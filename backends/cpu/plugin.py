@@ -90,7 +90,7 @@ class CPUBackend(Backend):
     priority = 0
     capabilities = Capabilities(graph_mode="cpu_graph", counts_graphs=True, distributed_backend="gloo",
                                 attention_features=ATTENTION_FEATURES)   # windows and soft caps in every path
-    supported_quantization = ("gguf",)  # Q8_0, Q4_0, Q4_1, Q4_K linears run quantized (quant_linear.py)
+    supported_quantization = ("gguf",)  # GGUF linears run quantized (quant_linear.py's QTYPES)
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._affinity: set[int] | None = None   # the process's CPUs before `init_rank`, for `leave_rank`

@@ -2,7 +2,12 @@
 //
 // W rows are GGUF (llama.cpp) blocks, exactly as in the file: Q8_0, Q4_0,
 // Q4_1 (32 weights per block) or Q4_K (256 per super-block, 8 sub-blocks of
-// 32). x (float32 or bfloat16) is quantized per row on the fly to int8 blocks
+// 32) here; Q6_K, Q5_K, Q3_K, Q2_K in quant_kquants.cpp (Q6_K's and Q5_K's r8
+// layouts in quant_kquants_r8.cpp), Q5_0, Q5_1, IQ4_NL, IQ4_XS in quant_small.cpp
+// (their r8 layouts in quant_small_r8.cpp; these keep the GGUF bits per weight),
+// run through their `TypeKernels` (quant_common.h) by this file's driver (the
+// activation rows, with per-16 sums for the types with 16-weight sub-blocks; the
+// threads; the calls). x (float32 or bfloat16) is quantized per row on the fly to int8 blocks
 // of 32 (scale d = max|x| / 127, like llama.cpp's Q8_0/Q8_1, with the block's
 // sum d * sum(q) kept for the weights' offsets), so every block dot product is
 // an integer one: unsigned 4-bit (or |int8|) weights x signed int8
@@ -16,10 +21,11 @@
 //   Q8_0  w = d q (q int8)            Q4_0  w = d (q - 8)        Q4_1  w = d q + m
 //   Q4_K  w = d sc_j q - dmin mn_j    (sc_j, mn_j 6-bit, packed in 12 bytes)
 // Row-interleaved layout ("r8", the decode path of the 4-bit types): `pr_quant_repack8` turns
-// Q4_0/Q4_1/Q4_K rows into groups of 8 output rows; per group and block of 32 inputs: 128 bytes of
+// Q4_0/Q4_1 rows into groups of 8 output rows; per group and block of 32 inputs: 128 bytes of
 // nibbles (32-bit lane r of 32-byte vector k holds row r's weights 4k..4k+3 in the low nibbles and
-// 16+4k..16+4k+3 in the high ones), then the 8 rows' scales d and offsets m (w = d q + m; float16
-// for Q4_0/Q4_1, exact; float32 for Q4_K, whose d * sc and -dmin * mn float16 cannot hold). One
+// 16+4k..16+4k+3 in the high ones), then the 8 rows' float16 d (and for Q4_1 their m; Q4_0's
+// offset -8 d is computed): exactly the GGUF bytes. Q4_K's r8 layout (super-blocks of 256, the
+// file's bytes too) is in quant_kquants_r8.cpp, with Q5_K's, the kernels for its GGUF blocks here. One
 // vector op then serves 8 output rows (scales in lanes, activations broadcast), instead of a
 // horizontal sum per row: about a third of the instructions per weight. Q8_0 (the LM head of
 // the usual GGUF files) has an r8 layout too, on the VNNI paths: per group and block, 256 bytes
@@ -32,78 +38,22 @@
 // when the pool is not started); dequantising for prefill uses OpenMP, load-time repacking one thread.
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PRQ_AVX2 1
-#endif
-#if defined(PRQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(PR_PORTABLE)
-#define PRQ_AVX512VNNI 1
-#endif
-#if defined(PRQ_AVX2) && defined(__AVXVNNI__) && !defined(PR_PORTABLE)
-#define PRQ_AVXVNNI 1
-#endif
-
+#include "quant_common.h"
 #include "thread_pool.h"
 
 namespace {
 
-enum QType { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };  // GGML type ids
-enum Isa { SCALAR = 0, AVX2 = 1, AVXVNNI = 2, AVX512VNNI = 3 };
+using namespace prq;
 
-inline float h2f(const uint8_t* p) {  // little-endian IEEE float16 -> float
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef PRQ_AVX2
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal float16: exact in float
-    float f = std::ldexp((float)man, -24);
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
+// The kernels of a type quant_kquants.cpp or quant_small.cpp implements; null for the others.
+inline const TypeKernels* other_kernels(int qt) {
+  const TypeKernels* k = kquant_kernels(qt);
+  return k ? k : small_kernels(qt);
 }
 
-inline float bf2f(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f2bf(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-inline void store(void* y, int bf16, int64_t i, float v) {
-  if (bf16)
-    static_cast<uint16_t*>(y)[i] = f2bf(v);
-  else
-    static_cast<float*>(y)[i] = v;
-}
-
+// Bytes and weights per block of GGML type qt (0 bytes: a type no file runs).
 inline int block_bytes(int qt) {
   switch (qt) {
     case Q4_0: return 18;
@@ -111,28 +61,13 @@ inline int block_bytes(int qt) {
     case Q8_0: return 34;
     case Q4_K: return 144;
   }
-  return 0;
+  const TypeKernels* k = other_kernels(qt);
+  return k ? k->block_bytes : 0;
 }
-inline int block_size(int qt) { return qt == Q4_K ? 256 : 32; }
-
-// Q4_K: the 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes.
-inline void scale_min_k4(int j, const uint8_t* q, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = q[j] & 63;
-    *mn = q[j + 4] & 63;
-  } else {
-    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+inline int block_size(int qt) {
+  const TypeKernels* k = other_kernels(qt);
+  return k ? k->block_size : qt == Q4_K ? 256 : 32;
 }
-
-// One activation row quantized: q[K] int8, per block of 32 its scale d, d * sum(q) and sum(q).
-struct QRow {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* qsum;  // per block: sum(q)
-};
 
 // x's row -> int8 blocks of 32: d = max|x| / 127, q = round-to-nearest-even(x 127 / max|x|).
 void quantize_row_scalar(const void* x, int bf16, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
@@ -196,6 +131,15 @@ void quantize_row_avx2(const void* x, int bf16, int64_t K, int8_t* q, float* d, 
 }
 #endif
 
+// Per 16 quantized inputs, their sum (|sum| <= 16 * 127: int16).
+void half_sums(const int8_t* q, int64_t K, int16_t* out) {
+  for (int64_t h = 0; h < K / 16; ++h) {
+    int t = 0;
+    for (int i = 0; i < 16; ++i) t += q[16 * h + i];
+    out[h] = (int16_t)t;
+  }
+}
+
 // x's row quantized for the dot products (per block: q, its scale d, d * sum(q) and sum(q)).
 void quantize_row(const void* x, int bf16, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
 #ifdef PRQ_AVX2
@@ -251,44 +195,6 @@ void row_scalar(const uint8_t* w, int64_t K, const QRow* a, float* out) {
 
 // ---- SIMD rows --------------------------------------------------------------------
 #ifdef PRQ_AVX2
-template <int ISA>
-inline __m256i dot_u8s8(__m256i u, __m256i s);  // lane i: sum of u[4i..4i+3] * s[4i..4i+3]
-template <>
-inline __m256i dot_u8s8<AVX2>(__m256i u, __m256i s) {  // |products| <= 15*127*2 or 128*127*2: no saturation
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-#ifdef PRQ_AVXVNNI
-template <>
-inline __m256i dot_u8s8<AVXVNNI>(__m256i u, __m256i s) {
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-}
-#endif
-#ifdef PRQ_AVX512VNNI
-template <>
-inline __m256i dot_u8s8<AVX512VNNI>(__m256i u, __m256i s) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-}
-#endif
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> 32 values: low nibbles, then high nibbles
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-// Weight bytes fetched ahead of the block being computed: the rows stream through
-// memory once per step, and a hardware prefetcher stops at each 4 KiB page.
-constexpr int64_t PF_BYTES = 3072;
-
 template <int ISA, int QT, int MB>
 void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
   __m256 acc[MB];
@@ -309,12 +215,8 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
         const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
         const int64_t ab = sb * 8 + 2 * j;
         const float s0 = d * sc[2 * j], s1 = d * sc[2 * j + 1];
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p0 = dot_u8s8<ISA>(lo, load32(a[m].q + ab * 32));
-          const __m256i p1 = dot_u8s8<ISA>(hi, load32(a[m].q + ab * 32 + 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s0 * a[m].d[ab]), _mm256_cvtepi32_ps(p0), acc[m]);
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(s1 * a[m].d[ab + 1]), _mm256_cvtepi32_ps(p1), acc[m]);
-        }
+        block_fma<ISA, MB>(lo, s0, ab, a, acc);
+        block_fma<ISA, MB>(hi, s1, ab + 1, a, acc);
       }
       for (int m = 0; m < MB; ++m) {
         float c = 0.f;
@@ -329,19 +231,12 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
       const float d = h2f(blk);
       if (QT == Q8_0) {
         const __m256i wq = load32(reinterpret_cast<const int8_t*>(blk + 2));
-        const __m256i u = _mm256_sign_epi8(wq, wq);  // |w|, and x takes w's sign
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p = dot_u8s8<ISA>(u, _mm256_sign_epi8(load32(a[m].q + b * 32), wq));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-        }
+        block_fma_signed<ISA, MB>(wq, d, b, a, acc);
       } else {
         const __m256i wq = nibbles32(blk + (QT == Q4_1 ? 4 : 2));
         const float off = QT == Q4_1 ? h2f(blk + 2) : -8.f * d;
-        for (int m = 0; m < MB; ++m) {
-          const __m256i p = dot_u8s8<ISA>(wq, load32(a[m].q + b * 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[b]), _mm256_cvtepi32_ps(p), acc[m]);
-          corr[m] += off * a[m].s[b];
-        }
+        block_fma<ISA, MB>(wq, d, b, a, acc);
+        for (int m = 0; m < MB; ++m) corr[m] += off * a[m].s[b];
       }
     }
   }
@@ -350,127 +245,42 @@ void row_simd(const uint8_t* w, int64_t K, const QRow* a, float* out) {
 #endif  // PRQ_AVX2
 
 
-// ---- row-interleaved ("r8") 4-bit layout ---------------------------------------------
-// Block b of a Q4_0 / Q4_1 / Q4_K row as 32 values q (0..15) with w = d q + m.
-void decode4(int qt, const uint8_t* row, int64_t b, uint8_t* q, float* d, float* m) {
-  if (qt == Q4_K) {
-    const uint8_t* blk = row + (b / 8) * 144;
-    const int j = (int)(b % 8);
-    int sc, mn;
-    scale_min_k4(j, blk + 4, &sc, &mn);
-    *d = h2f(blk) * sc;
-    *m = -h2f(blk + 2) * mn;
-    const uint8_t* qs = blk + 16 + (j / 2) * 32;
-    for (int i = 0; i < 32; ++i) q[i] = (qs[i] >> (4 * (j & 1))) & 0xF;
-    return;
-  }
-  const uint8_t* blk = row + b * block_bytes(qt);
-  *d = h2f(blk);
-  *m = qt == Q4_1 ? h2f(blk + 2) : -8.f * *d;
-  const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
-  for (int i = 0; i < 16; ++i) {
-    q[i] = qs[i] & 0xF;
-    q[i + 16] = qs[i] >> 4;
-  }
+// ---- row-interleaved ("r8") layouts ------------------------------------------------------
+// The r8 kernels of a type another file implements (the `TypeKernels` types, and Q4_K's layout in
+// quant_kquants_r8.cpp, whose GGUF-layout kernels are here), else null: this file's 32-input r8
+// blocks (Q4_0, Q4_1, Q8_0).
+inline const R8Kernels* r8_kernels(int qt) {
+  if (const TypeKernels* k = other_kernels(qt)) return &k->r8;
+  static const R8Kernels q4k = kquant_r8(Q4_K);
+  return qt == Q4_K && q4k.unit ? &q4k : nullptr;
 }
-
-inline bool r8_f32_scales(int qt) { return qt == Q4_K; }
-inline int64_t r8_block_bytes(int qt) { return qt == Q8_0 ? 256 + 16 : 128 + 16 * (r8_f32_scales(qt) ? 4 : 2); }
-
-inline void put_scale(uint8_t* p, float v, bool f32) {
-  if (f32) {
-    std::memcpy(p, &v, 4);
-  } else {
-#ifdef PRQ_AVX2
-    const uint16_t h = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
-#else
-    uint16_t h = 0;  // no F16C: r8 is only used by the SIMD paths
-#endif
-    std::memcpy(p, &h, 2);
-  }
-}
-
-inline float get_scale(const uint8_t* p, bool f32) {
-  if (f32) {
-    float v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
-  return h2f(p);
+// Bytes of this file's r8 blocks (8 rows of 32 inputs): 128 of nibbles, then the 8 rows' float16 d
+// (and for Q4_1 their m): exactly the GGUF blocks' bytes; Q8_0: 256 of values, then d.
+inline int64_t r8_block_bytes(int qt) { return qt == Q8_0 ? 256 + 16 : qt == Q4_1 ? 128 + 32 : 128 + 16; }
+// Bytes of one r8 group (8 rows of K weights).
+inline int64_t r8_group_bytes(int qt, int64_t K) {
+  const R8Kernels* k = r8_kernels(qt);
+  return k ? K / k->unit * k->unit_bytes : K / 32 * r8_block_bytes(qt);
 }
 
 #ifdef PRQ_AVX2
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256 load_scales(const uint8_t* p, bool f32) {
-  return f32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(p))
-             : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
-// s + the 4-byte dot products of unsigned u with signed x, on the VNNI path ISA.
-template <int ISA>
-inline __m256i dpbusd8(__m256i s, __m256i u, __m256i x) {
-#if defined(PRQ_AVX512VNNI)
-  if (ISA == AVX512VNNI) return _mm256_dpbusd_epi32(s, u, x);
-#endif
-#if defined(PRQ_AVXVNNI)
-  return _mm256_dpbusd_avx_epi32(s, u, x);
-#else
-  return _mm256_dpbusd_epi32(s, u, x);
-#endif
-}
-#endif
-
-// 8 int32 lanes (one per row) = the 32-weight block dots of rows r with x (lo/hi: the unpacked nibbles).
-// VNNI: four independent chains of two `vpdpbusd` each, added at the end. One chain of eight
-// made each block wait ~8 instruction latencies, more than the out-of-order window could
-// cover with other blocks: the kernel ran at ~40 cycles a block from L2, compute-bound.
-template <int ISA>
-inline __m256i block_dot8(const __m256i* lo, const __m256i* hi, const int8_t* xq) {
-  if (ISA == AVX2) {  // 8 products of <= 15 * 127 * 2 each per int16: at most 30480, no saturation
-    __m256i s16 = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k) {
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[k], bcast4(xq + 4 * k)));
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[k], bcast4(xq + 16 + 4 * k)));
-    }
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-  }
-  __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
-  for (int k = 0; k < 4; ++k) {
-    s[k & 1] = dpbusd8<ISA>(s[k & 1], lo[k], bcast4(xq + 4 * k));
-    s[2 + (k & 1)] = dpbusd8<ISA>(s[2 + (k & 1)], hi[k], bcast4(xq + 16 + 4 * k));
-  }
-#endif
-  return _mm256_add_epi32(_mm256_add_epi32(s[0], s[1]), _mm256_add_epi32(s[2], s[3]));
-  // without a VNNI path compiled only ISA == AVX2 exists, which returned above
-}
-
-// out[m][0..7] = the 8 rows of group `g` times activation rows a[0..MB). The scale and offset
-// terms go to separate accumulators (two dependent FMAs a block were the loop's carried chain).
-template <int ISA, int MB>
-void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)[8]) {
+// out[m][0..7] = the 8 rows of a Q4_0 / Q4_1 group times activation rows a[0..MB). The scale and
+// offset terms go to separate accumulators (two dependent FMAs a block were the loop's carried
+// chain); the offset is m (Q4_1) or -8 d (Q4_0).
+template <int ISA, int QT, int MB>
+void group8(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
+  constexpr int64_t bb = QT == Q4_1 ? 128 + 32 : 128 + 16;
   __m256 acc[MB], off[MB];
   for (int m = 0; m < MB; ++m) acc[m] = off[m] = _mm256_setzero_ps();
-  const int64_t bb = 128 + 16 * (f32 ? 4 : 2);
-  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = gp + b * bb;
-    for (int64_t e = 0; e < bb; e += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES + e), _MM_HINT_T0);
+    prefetch(p, bb);
     __m256i lo[4], hi[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      lo[k] = _mm256_and_si256(v, low);
-      hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-    const __m256 d = load_scales(p + 128, f32), mo = load_scales(p + 128 + 8 * (f32 ? 4 : 2), f32);
+    load_r8_q(p, false, lo, hi);
+    const __m256 d = load_f16x8(p + 128);
+    const __m256 mo = QT == Q4_1 ? load_f16x8(p + 144) : _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
     for (int m = 0; m < MB; ++m) {
-      const __m256i s = block_dot8<ISA>(lo, hi, a[m].q + b * 32);
+      const __m256i s = block_dot4bit<ISA>(lo, hi, a[m].q + b * 32);
       acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(s), acc[m]);
       off[m] = _mm256_fmadd_ps(mo, _mm256_set1_ps(a[m].s[b]), off[m]);
     }
@@ -482,7 +292,7 @@ void group8(const uint8_t* gp, int64_t nb, bool f32, const QRow* a, float (*out)
 // group8 for Q8_0's r8 blocks (w + 128 as unsigned bytes; the 8 rows' d after them). Per row of x,
 // C independent `vpdpbusd` chains (C = 4, or 2 when MB > 2 keeps AVX-VNNI's 16 registers enough).
 template <int ISA, int MB>
-void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[8]) {
+void group8_q8(const uint8_t* gp, int64_t nb, const QRow* a, float (*out)[8]) {
   constexpr int C = MB > 2 ? 2 : 4;
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
@@ -498,7 +308,7 @@ void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
       for (int m = 0; m < MB; ++m) s[m][k % C] = dpbusd8<ISA>(s[m][k % C], w, bcast4(a[m].q + b * 32 + 4 * k));
     }
-    const __m256 d = load_scales(p + 256, false);
+    const __m256 d = load_f16x8(p + 256);
     for (int m = 0; m < MB; ++m) {
       __m256i t = s[m][0];
       for (int c = 1; c < C; ++c) t = _mm256_add_epi32(t, s[m][c]);
@@ -509,82 +319,56 @@ void group8_q8(const uint8_t* gp, int64_t nb, bool, const QRow* a, float (*out)[
 }
 #endif
 
-using GroupFn = void (*)(const uint8_t*, int64_t, bool, const QRow*, float (*)[8]);
-
-template <int MB>
-GroupFn pick_group_mb(int isa, int qt) {
-  if (qt == Q8_0) {  // VNNI only (see the layout note at the top)
-#ifdef PRQ_AVX512VNNI
-    if (isa == AVX512VNNI) return group8_q8<AVX512VNNI, MB>;
+template <int QT>
+struct Groups {  // pick_kernel's family: the r8 group kernels of Q4_0, Q4_1 and Q8_0 (Q8_0: VNNI only)
+  template <int ISA, int MB>
+  static constexpr GroupFn simd() {
+    if constexpr (QT == Q8_0) {
+#if defined(PRQ_AVXVNNI) || defined(PRQ_AVX512VNNI)
+      if constexpr (ISA != AVX2) return group8_q8<ISA, MB>;
 #endif
-#ifdef PRQ_AVXVNNI
-    if (isa == AVXVNNI) return group8_q8<AVXVNNI, MB>;
-#endif
-    return nullptr;
+      return nullptr;
+    } else {
+      return group8<ISA, QT, MB>;
+    }
   }
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return group8<AVX512VNNI, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return group8<AVXVNNI, MB>;
-#endif
-    case AVX2: return group8<AVX2, MB>;
-  }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr GroupFn scalar() { return nullptr; }
+};
 
 GroupFn pick_group(int isa, int mb, int qt) {
-  switch (mb) {
-    case 1: return pick_group_mb<1>(isa, qt);
-    case 2: return pick_group_mb<2>(isa, qt);
-    case 3: return pick_group_mb<3>(isa, qt);
-    case 4: return pick_group_mb<4>(isa, qt);
+  switch (qt) {
+    case Q4_0: return pick_kernel<Groups<Q4_0>>(isa, mb);
+    case Q4_1: return pick_kernel<Groups<Q4_1>>(isa, mb);
+    case Q8_0: return pick_kernel<Groups<Q8_0>>(isa, mb);
   }
   return nullptr;
 }
 #endif  // PRQ_AVX2
 
-using RowFn = void (*)(const uint8_t*, int64_t, const QRow*, float*);
-
-template <int QT, int MB>
-RowFn pick_mb(int isa) {
-  switch (isa) {
-#ifdef PRQ_AVX512VNNI
-    case AVX512VNNI: return row_simd<AVX512VNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVXVNNI
-    case AVXVNNI: return row_simd<AVXVNNI, QT, MB>;
-#endif
-#ifdef PRQ_AVX2
-    case AVX2: return row_simd<AVX2, QT, MB>;
-#endif
-    case SCALAR: return row_scalar<QT, MB>;
-  }
-  return nullptr;
-}
-
-constexpr int MB_MAX = 4;  // activation rows per weight-row pass (accumulators in registers)
-
 template <int QT>
-RowFn pick_qt(int isa, int mb) {
-  switch (mb) {
-    case 1: return pick_mb<QT, 1>(isa);
-    case 2: return pick_mb<QT, 2>(isa);
-    case 3: return pick_mb<QT, 3>(isa);
-    case 4: return pick_mb<QT, 4>(isa);
+struct Rows {  // pick_kernel's family: the GGUF-layout kernels of Q4_0, Q4_1, Q8_0 and Q4_K
+  template <int ISA, int MB>
+  static constexpr RowFn simd() {
+#ifdef PRQ_AVX2
+    return row_simd<ISA, QT, MB>;
+#else
+    return nullptr;
+#endif
   }
-  return nullptr;
-}
+  template <int MB>
+  static constexpr RowFn scalar() { return row_scalar<QT, MB>; }
+};
 
 RowFn pick(int qt, int isa, int mb) {
   switch (qt) {
-    case Q4_0: return pick_qt<Q4_0>(isa, mb);
-    case Q4_1: return pick_qt<Q4_1>(isa, mb);
-    case Q8_0: return pick_qt<Q8_0>(isa, mb);
-    case Q4_K: return pick_qt<Q4_K>(isa, mb);
+    case Q4_0: return pick_kernel<Rows<Q4_0>>(isa, mb);
+    case Q4_1: return pick_kernel<Rows<Q4_1>>(isa, mb);
+    case Q8_0: return pick_kernel<Rows<Q8_0>>(isa, mb);
+    case Q4_K: return pick_kernel<Rows<Q4_K>>(isa, mb);
   }
-  return nullptr;
+  const TypeKernels* k = other_kernels(qt);
+  return k && mb >= 1 && mb <= MB_MAX ? k->row(isa, mb) : nullptr;
 }
 
 bool isa_compiled(int isa) {
@@ -607,11 +391,16 @@ bool isa_compiled(int isa) {
 inline void put(float* p, float v) { *p = v; }
 inline void put(uint16_t* p, float v) { *p = f2bf(v); }
 
+// Dequantising fewer weights than this runs on the calling thread: an OpenMP team's fork and join
+// cost more than the work (quant_rows.cpp's one row per token: ~1 us of work, a fork 100s of us on a
+// loaded host).
+constexpr int64_t PARALLEL_WEIGHTS = 1 << 16;
+
 // Rows of W -> out[N, K]; one block at a time through a float buffer (the loops vectorise).
 template <typename T>
 void dequantize_rows(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
   const int64_t bs = block_size(qt), nblk = K / bs, row_bytes = nblk * block_bytes(qt);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t n = 0; n < N; ++n) {
     float v[256];
     for (int64_t b = 0; b < nblk; ++b) {
@@ -644,6 +433,45 @@ void dequantize_rows(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
   }
 }
 
+// The same for rows [n0, n1) of the types of `TypeKernels` (their decode, block of 32 by block).
+template <typename T>
+void dequantize_decoded(DecodeFn decode, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K,
+                        T* out) {
+  int16_t v[32];
+  float s[2], m[2];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      decode(w + n * row_bytes, b, v, s, m);
+      T* o = out + n * K + b * 32;
+      for (int i = 0; i < 32; ++i) put(o + i, s[i / 16] * (float)v[i] - m[i / 16]);
+    }
+}
+
+template <typename T>
+void dequantize_any(int qt, const uint8_t* w, int64_t N, int64_t K, T* out) {
+  const TypeKernels* k = other_kernels(qt);
+  if (!k) return dequantize_rows(qt, w, N, K, out);
+  const int64_t row_bytes = K / k->block_size * k->block_bytes;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
+  for (int64_t n = 0; n < N; ++n) dequantize_decoded(k->decode, w, row_bytes, n, n + 1, K, out);
+}
+
+// r8 groups of an `R8Kernels` layout -> out[N, K] (the group's own dequantisation, then rounded to T).
+template <typename T>
+void dequantize_groups(const R8Kernels* k, const uint8_t* w8, int64_t N, int64_t K, T* out) {
+  const int64_t gbytes = K / k->unit * k->unit_bytes;
+#pragma omp parallel if (N * K >= PARALLEL_WEIGHTS)
+  {
+    std::vector<float> rows(8 * K);
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < N / 8; ++g) {
+      k->dequant(w8 + g * gbytes, K, rows.data());
+      T* o = out + g * 8 * K;
+      for (int64_t i = 0; i < 8 * K; ++i) put(o + i, rows[i]);
+    }
+  }
+}
+
 // One call of either layout: activations quantized, output rows in chunks over the pool.
 struct Call {
   const uint8_t* w;
@@ -658,13 +486,13 @@ void run_chunk(void* ctx, int64_t chunk, int) {
   const Call& c = *static_cast<const Call*>(ctx);
   if (c.r8) {
 #ifdef PRQ_AVX2
-    const int64_t nb = c.K / 32, gbytes = nb * r8_block_bytes(c.qt), ng = c.N / 8;
-    const bool f32 = r8_f32_scales(c.qt);
+    const int64_t nb = c.K / 32, gbytes = r8_group_bytes(c.qt, c.K), ng = c.N / 8;
+    const R8Kernels* k = r8_kernels(c.qt);
     for (int64_t g = chunk * c.rows_per_chunk; g < ng && g < (chunk + 1) * c.rows_per_chunk; ++g) {
       float out[MB_MAX][8];
       for (int64_t m0 = 0; m0 < c.M; m0 += MB_MAX) {
         const int mb = (int)(c.M - m0 < MB_MAX ? c.M - m0 : MB_MAX);
-        pick_group(c.isa, mb, c.qt)(c.w + g * gbytes, nb, f32, c.rows + m0, out);
+        (k ? k->group(c.isa, mb) : pick_group(c.isa, mb, c.qt))(c.w + g * gbytes, nb, c.rows + m0, out);
         for (int i = 0; i < mb; ++i)
           for (int r = 0; r < 8; ++r) store(c.y, c.y_bf16, (m0 + i) * c.ldy + g * 8 + r, out[i][r]);
       }
@@ -691,15 +519,21 @@ void linear(Call c, const void* x, int64_t ldx, int x_bf16) {
   thread_local std::vector<int8_t> q;  // per calling thread, grown once: no allocation per call
   thread_local std::vector<float> ds;
   thread_local std::vector<int32_t> sums;
+  thread_local std::vector<int16_t> sums16;
   thread_local std::vector<QRow> rows;
+  const TypeKernels* k = other_kernels(c.qt);
+  const bool sum16 = k && k->sum16;
   q.resize(std::max<size_t>(q.size(), size_t(c.M * c.K)));
   ds.resize(std::max<size_t>(ds.size(), size_t(2 * c.M * nb)));
   sums.resize(std::max<size_t>(sums.size(), size_t(c.M * nb)));
+  if (sum16) sums16.resize(std::max<size_t>(sums16.size(), size_t(2 * c.M * nb)));
   rows.resize(std::max<size_t>(rows.size(), size_t(c.M)));
   for (int64_t m = 0; m < c.M; ++m) {
-    rows[m] = {q.data() + m * c.K, ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb, sums.data() + m * nb};
+    rows[m] = {q.data() + m * c.K, ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb, sums.data() + m * nb,
+               sum16 ? sums16.data() + 2 * m * nb : nullptr};
     quantize_row(static_cast<const char*>(x) + m * ldx * (x_bf16 ? 2 : 4), x_bf16, c.K, q.data() + m * c.K,
                  ds.data() + 2 * m * nb, ds.data() + (2 * m + 1) * nb, sums.data() + m * nb);
+    if (sum16) half_sums(q.data() + m * c.K, c.K, sums16.data() + 2 * m * nb);
   }
   c.rows = rows.data();
   const int64_t units = c.r8 ? c.N / 8 : c.N;
@@ -762,9 +596,9 @@ int pr_quant_dequantize(int qt, const uint8_t* w, int64_t N, int64_t K, void* ou
   if (!block_bytes(qt)) return 1;
   if (K % block_size(qt)) return 2;
   if (out_bf16)
-    dequantize_rows(qt, w, N, K, static_cast<uint16_t*>(out));
+    dequantize_any(qt, w, N, K, static_cast<uint16_t*>(out));
   else
-    dequantize_rows(qt, w, N, K, static_cast<float*>(out));
+    dequantize_any(qt, w, N, K, static_cast<float*>(out));
   return 0;
 }
 
@@ -773,7 +607,8 @@ int pr_quant_dequantize(int qt, const uint8_t* w, int64_t N, int64_t K, void* ou
 int pr_quant_r8_supported(int qt) {
 #ifdef PRQ_AVX2
   if (qt == Q8_0) return isa_compiled(AVXVNNI) || isa_compiled(AVX512VNNI);
-  return qt == Q4_0 || qt == Q4_1 || qt == Q4_K;
+  if (const R8Kernels* k = r8_kernels(qt)) return k->unit && k->group(AVX2, 1) ? 1 : 0;
+  return qt == Q4_0 || qt == Q4_1;
 #else
   (void)qt;
   return 0;
@@ -782,19 +617,24 @@ int pr_quant_r8_supported(int qt) {
 
 // 1 when path `isa` of this build runs the r8 layout of `qt` (Q8_0: the VNNI paths only).
 int pr_quant_r8_isa(int qt, int isa) {
-  return pr_quant_r8_supported(qt) && isa != SCALAR && isa_compiled(isa) && !(qt == Q8_0 && isa == AVX2);
+  if (!pr_quant_r8_supported(qt) || isa == SCALAR || !isa_compiled(isa)) return 0;
+  if (const R8Kernels* k = r8_kernels(qt)) return k->group(isa, 1) ? 1 : 0;
+  return !(qt == Q8_0 && isa == AVX2);
 }
 
-// Bytes of the r8 copy of N rows of K weights (N % 8 == 0, K % 32 == 0).
-int64_t pr_quant_r8_bytes(int qt, int64_t N, int64_t K) { return N / 8 * (K / 32) * r8_block_bytes(qt); }
+// Bytes of the r8 copy of N rows of K weights (N % 8 == 0, K a multiple of the block size).
+int64_t pr_quant_r8_bytes(int qt, int64_t N, int64_t K) { return N / 8 * r8_group_bytes(qt, K); }
 
 // W (N rows of GGUF blocks of type qt) -> out in the r8 layout. 0, or 1 unsupported, 2 bad shape.
 int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
   if (!pr_quant_r8_supported(qt)) return 1;
   if (N % 8 || K % block_size(qt)) return 2;
   const int64_t nb = K / 32, row_bytes = K / block_size(qt) * block_bytes(qt), bb = r8_block_bytes(qt);
-  const bool f32 = r8_f32_scales(qt);
-  const int ss = f32 ? 4 : 2;
+  if (const R8Kernels* k = r8_kernels(qt)) {
+    const int64_t gbytes = r8_group_bytes(qt, K);
+    for (int64_t g = 0; g < N / 8; ++g) k->repack(w + g * 8 * row_bytes, row_bytes, K, out + g * gbytes);
+    return 0;
+  }
   for (int64_t g = 0; g < N / 8; ++g)  // one thread: ~1 ms per million weights, and no barrier to stall on
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* p = out + (g * nb + b) * bb;
@@ -807,14 +647,12 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
         }
         continue;
       }
-      for (int r = 0; r < 8; ++r) {
-        uint8_t q[32];
-        float d, m;
-        decode4(qt, w + (g * 8 + r) * row_bytes, b, q, &d, &m);
-        for (int k = 0; k < 4; ++k)
-          for (int i = 0; i < 4; ++i) p[32 * k + 4 * r + i] = (uint8_t)(q[4 * k + i] | (q[16 + 4 * k + i] << 4));
-        put_scale(p + 128 + r * ss, d, f32);
-        put_scale(p + 128 + 8 * ss + r * ss, m, f32);
+      for (int r = 0; r < 8; ++r) {  // Q4_0 / Q4_1: the nibbles moved, d (and m) as they are
+        const uint8_t* blk = w + (g * 8 + r) * row_bytes + b * block_bytes(qt);
+        const uint8_t* qs = blk + (qt == Q4_1 ? 4 : 2);
+        for (int k = 0; k < 4; ++k) std::memcpy(p + 32 * k + 4 * r, qs + 4 * k, 4);  // inputs 4k + i, 16 + 4k + i
+        std::memcpy(p + 128 + 2 * r, blk, 2);
+        if (qt == Q4_1) std::memcpy(p + 144 + 2 * r, blk + 2, 2);
       }
     }
   return 0;
@@ -824,7 +662,7 @@ int pr_quant_repack8(int qt, const uint8_t* w, int64_t N, int64_t K, uint8_t* ou
 int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void* x, int64_t ldx, int x_bf16,
                      int64_t M, void* y, int64_t ldy, int y_bf16, int isa) {
   if (!pr_quant_r8_isa(qt, isa)) return 1;
-  if (N % 8 || K % 32) return 2;
+  if (N % 8 || K % block_size(qt)) return 2;
   linear(Call{w8, N, K, M, ldy, 0, nullptr, y, y_bf16, qt, isa, true}, x, ldx, x_bf16);
   return 0;
 }
@@ -832,11 +670,16 @@ int pr_quant_linear8(int qt, const uint8_t* w8, int64_t N, int64_t K, const void
 // out[N, K] (float32, or bfloat16 when out_bf16) = the weights of an r8 copy. 0, or 1 / 2 as above.
 int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* out, int out_bf16) {
   if (!pr_quant_r8_supported(qt)) return 1;
-  if (N % 8 || K % 32) return 2;
+  if (N % 8 || K % block_size(qt)) return 2;
+  if (const R8Kernels* k = r8_kernels(qt)) {
+    if (out_bf16)
+      dequantize_groups(k, w8, N, K, static_cast<uint16_t*>(out));
+    else
+      dequantize_groups(k, w8, N, K, static_cast<float*>(out));
+    return 0;
+  }
   const int64_t nb = K / 32, bb = r8_block_bytes(qt);
-  const bool f32 = r8_f32_scales(qt);
-  const int ss = f32 ? 4 : 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_WEIGHTS)
   for (int64_t g = 0; g < N / 8; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = w8 + (g * nb + b) * bb;
@@ -850,7 +693,7 @@ int pr_quant_dequantize8(int qt, const uint8_t* w8, int64_t N, int64_t K, void* 
         continue;
       }
       for (int r = 0; r < 8; ++r) {
-        const float d = get_scale(p + 128 + r * ss, f32), m = get_scale(p + 128 + 8 * ss + r * ss, f32);
+        const float d = h2f(p + 128 + 2 * r), m = qt == Q4_1 ? h2f(p + 144 + 2 * r) : -8.f * d;
         float v[32];
         for (int k = 0; k < 4; ++k)
           for (int i = 0; i < 4; ++i) {

@@ -158,6 +158,8 @@ class DecoderForCausalLM(nn.Module):
         # LoRA adapters on the embedding / LM head (polyrunner.lora.vocab), set when LoRA is enabled
         self.embed_lora: nn.Module | None = None
         self.lm_head_lora: nn.Module | None = None
+        # the LM head as a backend's quantized module (`Backend.quantize_model`): `compute_logits` calls it
+        self.quantized_lm_head: nn.Module | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; vocabulary-parallel: each rank looks up its own range
@@ -180,11 +182,16 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for the given hidden rows (tensor-parallel:
         `[N, shard.vocab_per_rank]`, this rank's range)."""
-        logits = F.linear(hidden, self.lm_head_weight()).float()
+        head = self.quantized_lm_head
+        logits = (F.linear(hidden, self._dense_head()) if head is None else head(hidden)).float()
         return logits if self.lm_head_lora is None else self.lm_head_lora(hidden, logits)
 
-    def lm_head_weight(self) -> torch.Tensor:
-        """The `[vocab, hidden]` matrix of `compute_logits` (the embedding when tied)."""
+    def lm_head_weight(self) -> torch.Tensor | None:
+        """The `[vocab, hidden]` matrix of `compute_logits` (the embedding when tied); None when
+        a backend's `quantized_lm_head` computes the logits instead (no dense matrix is kept)."""
+        return self._dense_head() if self.quantized_lm_head is None else None
+
+    def _dense_head(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def replaceable_modules(self) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:

@@ -8,6 +8,11 @@ tensor shapes do not match config.json (`read_model_config`).
 A converted GGUF folder (`gguf/loader.py`) holds no weight copy: its tensors are
 read from the GGUF file in place, dequantized into the run dtype
 (`gguf/tensors.py`); every function here takes such a folder like any other.
+
+Memory: the parameters are the one resident copy of the weights. Each tensor is read
+with plain file reads into a buffer of its own, copied into its parameter and dropped
+(`weight_reader.py`: no shard stays mapped while the parameters fill), so the peak of a
+load is the parameters plus about one tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from polyrunner.models.arch import DecoderArch
 from polyrunner.models.gguf import tensors as gguf_tensors
 from polyrunner.models.hf_config import HFDecoderConfig, ModelConfigTypeError, ModelFileError, read_json_file
 from polyrunner.models.progress import progress
+from polyrunner.models.weight_reader import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -86,24 +92,18 @@ def _open(path: Path) -> Any:
         raise ModelFileError(f"{path}: corrupt or truncated safetensors file ({exc})", path) from None
 
 
-def _read(f: Any, path: Path, name: str) -> torch.Tensor:
-    try:
-        return f.get_tensor(name)
-    except (SafetensorError, RuntimeError, TypeError) as exc:
-        raise ModelFileError(f"{path}: cannot read tensor {name!r} ({type(exc).__name__}: {exc})", path) from None
-
-
 def iter_weights(folder: str | Path, dtype: torch.dtype,
                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors in `dtype`, except those named in `skip` (never read)."""
+    """The checkpoint's tensors in `dtype`, except those named in `skip` (never read); each a
+    fresh host tensor the caller owns (`weight_reader.read_safetensors`: one at a time, no
+    shard mapped)."""
     if gguf_tensors.is_gguf_folder(folder):
         yield from gguf_tensors.iter_weights(folder, dtype, skip)
         return
     for path in safetensors_files(folder):
-        with _open(path) as f:
-            for name in f.keys():
-                if name not in skip:
-                    yield name, _read(f, path, name).to(dtype)
+        for name, tensor in read_safetensors(path, skip):
+            yield name, tensor.to(dtype)
+            del tensor
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], Path]]:

@@ -56,8 +56,9 @@ def polyrunner_models() -> "dict[str, type]":
       module shared by several parents is yielded once per parent. The roles ("linear",
       "rms_norm", "rotary", "gated_mlp"), their reference modules and the
       call each replacement keeps: `polyrunner.ops.ROLES` (core/ops/roles.py).
-    - OPTIONAL `lm_head_weight() -> Tensor [vocab, hidden]`: the matrix
+    - OPTIONAL `lm_head_weight() -> Tensor [vocab, hidden] | None`: the matrix
       `compute_logits` multiplies by (the embedding when tied), so a backend
-      may compute logits through its own packed copy.
+      may compute logits through its own packed copy; None when a backend's
+      quantized LM head (`Backend.quantize_model`) replaced it.
     """
 

@@ -58,6 +58,7 @@ __all__ = [
 # Types `gguf.quants.dequantize` implements that this loader is tested on.
 SUPPORTED_QUANT_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 )
 # GGUF `general.architecture` -> (HF class, HF model_type). Mistral files say "llama" (Mixtral:
 # "llama" with experts, `moe.MOE_ARCHITECTURES`).

@@ -10,18 +10,27 @@ shared expert is `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (`
 w1/w3/w2, gate_proj/up_proj/down_proj): the index records one tensor, read once, which
 `MoEForCausalLM.load_weights` views per expert (no per-expert copy). A layer without a router
 is dense (Qwen: listed in `mlp_only_layers`; Mixtral has none). The 3-D stacks are never
-block-quantized linears (`loader.py` records 2-D matrices only): they run dequantised through
-the "moe" role.
+block-quantized linears (`loader.py` records 2-D matrices only): a dequantised run reads them
+densely for the "moe" role; quantized execution reads their blocks (`quantized_experts`) and the
+backend runs them as they are (`quantized.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from torch import nn
+
+from polyrunner.models.gguf import tensors as gguf_tensors
+from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight
 from polyrunner.models.gguf.errors import GGUFError
 
-__all__ = ["MOE_ARCHITECTURES", "is_moe", "layer_tensors", "hf_shape", "moe_config"]
+__all__ = ["MOE_ARCHITECTURES", "is_moe", "layer_tensors", "hf_shape", "moe_config", "QuantizedExperts",
+           "quantized_experts"]
 
 # GGUF `general.architecture` of a mixture-of-experts file -> (HF class, HF model_type).
 MOE_ARCHITECTURES = {
@@ -135,3 +144,81 @@ def _need(meta: dict[str, Any], key: str, path: Path) -> Any:
     if key not in meta:
         raise GGUFError(f"{path}: metadata key {key!r} is missing")
     return meta[key]
+
+
+# ------------------------------------------------------------------ quantized execution
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """One sparse layer's experts in GGUF blocks, each stack as the file holds it: `gate` and `up`
+    (`[E * I, H]`, expert e's rows `e * I ..`; one GGML type) and `down` (`[E * H, I]`), read when a
+    backend asks (`QuantizedWeight.blocks`: a view of the file's pages); `num_experts`, and
+    `sources`, the checkpoint names of the three stacks."""
+
+    gate: QuantizedWeight
+    up: QuantizedWeight
+    down: QuantizedWeight
+    num_experts: int
+    sources: tuple[str, ...]
+
+
+def quantized_experts(model: nn.Module, modules: Iterable[tuple[nn.Module, str, nn.Module]], folder: str | Path
+                      ) -> Iterator[tuple[nn.Module, str, nn.Module, QuantizedExperts]]:
+    """`(parent, attribute, module, experts)` for each "moe" module of `modules` (`(parent,
+    attribute, module)`, from the model's `replaceable_modules()`) whose stacks the folder's GGUF
+    file holds block-quantized: gate and up of one type, shapes `[E, I, H]` / `[E, H, I]` as
+    the module's. Others (float stacks, mixed gate/up types) are left out: they load densely.
+    The stacks' names come from the model's `block_name` and `expert_parts` (`MoEForCausalLM`).
+    Nothing is read here."""
+    names = {id(m): name for name, m in model.named_modules()}
+    block = getattr(model, "block_name", "mlp")
+    part_names = {part: name for name, part in getattr(model, "expert_parts", {}).items()}
+    index = gguf_tensors.read_index(folder)
+    source: GGUFSource | None = None
+    for parent, attr, module in modules:
+        prefix = names[id(module)].removesuffix(".experts").replace(".mlp", f".{block}")
+        sources = tuple(f"model.{prefix}.experts.{part_names.get(p)}.weight" for p in ("gate", "up", "down"))
+        stacks = [index["tensors"].get(name) for name in sources]
+        if not _quantized_stacks(stacks, module):
+            continue
+        source = source or GGUFSource.of(gguf_tensors.checked_source(index))
+        gate, up, down = (_stack(t, source) for t in stacks if t is not None)
+        num = int(index["tensors"][sources[0]]["shape"][0])
+        yield parent, attr, module, QuantizedExperts(gate, up, down, num, sources)
+
+
+def _stack(t: dict[str, Any], source: GGUFSource) -> QuantizedWeight:
+    """A 3-D stack `[E, rows, cols]` as the 2-D weight `[E * rows, cols]` of its bytes in the file."""
+    experts, rows, cols = t["shape"]
+    return QuantizedWeight(t["type"], (experts * rows, cols), source=source,
+                           parts=[BlockRows(t["offset"], experts * rows, t["nbytes"] // (experts * rows))])
+
+
+def _quantized_stacks(stacks: list[dict[str, Any] | None], module: nn.Module) -> bool:
+    """Whether the three stack entries exist, are block-quantized with whole blocks per row, gate and
+    up of one type, and have the module's shapes."""
+    if any(t is None for t in stacks):
+        return False
+    gate, up, down = stacks
+    assert gate is not None and up is not None and down is not None
+    experts, inter = getattr(module, "num_experts", 0), getattr(module, "intermediate", 0)
+    hidden = gate["shape"][-1]
+    if gate["type"] != up["type"] or any(t["type"] in gguf_tensors.FLOAT_TYPES for t in stacks):
+        return False
+    want = [experts, inter, hidden]
+    if (gate["shape"], up["shape"], down["shape"]) != (want, want, [experts, hidden, inter]):
+        return False
+    return all(_whole_blocks(t) for t in stacks)
+
+
+def _whole_blocks(t: dict[str, Any]) -> bool:
+    """Whether a stack's byte count is whole blocks of its GGML type per row."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = getattr(GGMLQuantizationType, t["type"], None)
+    if qtype is None:
+        return False
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    *rows, cols = t["shape"]
+    return cols % per_block == 0 and int(np.prod(rows)) * cols // per_block * block_bytes == t["nbytes"]

@@ -2,31 +2,33 @@
 
 A converted GGUF folder (`loader.py`) records in `gguf_quantized.json` where
 each quantized matrix's blocks lie in the GGUF file. When quantized execution
-is on (`select_quantization`), the engine reads them (`quantized_model`),
-matched to the model's "linear" modules (a fused linear such as `qkv_proj`
+is on (`select_quantization`), the engine matches them (`quantized_model`)
+to the model's "linear" modules (a fused linear such as `qkv_proj`
 stacks the rows of its checkpoint parts, named by the model's vLLM-style
-`packed_modules_mapping`) and to the LM head, and hands them to the backend's
+`packed_modules_mapping`), to the LM head, the token embedding and the "moe"
+modules' 3-D expert stacks (`moe.quantized_experts`), and hands them to the backend's
 `quantize_model` before any dense weight is read; the backend swaps in modules
 that compute with the blocks as they are, and the dense weights of the swapped
-linears are then never read (`QuantizedModel.replaced_weights`).
+modules are then never read (`QuantizedModel.replaced_weights`).
 Device-neutral: blocks are host numpy bytes; what runs them is the backend's.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import nn
 
+from polyrunner.models.gguf import moe as gguf_moe
 from polyrunner.models.gguf import tensors as gguf_tensors
+from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight
 from polyrunner.models.gguf.errors import GGUFError
 
 logger = logging.getLogger(__name__)
@@ -35,19 +37,8 @@ logger = logging.getLogger(__name__)
 _BLOCKS = {
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
 }
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """One weight matrix `[out, in]` (`shape`) in GGUF blocks of GGML type `qtype`
-    (e.g. "Q4_1"): `blocks` is uint8 `[out, row_bytes]`, row r holding the blocks
-    of output feature r, in the model's row order (llama.cpp's rotary row
-    permutation of q/k already undone)."""
-
-    qtype: str
-    shape: tuple[int, int]
-    blocks: np.ndarray
 
 
 @dataclass
@@ -56,16 +47,36 @@ class QuantizedModel:
     module, weight)` per "linear" of the model (`module` is the dense layer,
     `setattr(parent, attribute, new)` swaps it; its bias, if any, stays in
     `module.bias`), and `lm_head`, the `[vocab, hidden]` matrix `compute_logits`
-    multiplies by (the embedding when tied), or None when it is not quantized."""
+    multiplies by (the embedding when tied), or None when it is not quantized.
+    `embedding`: the token embedding's `[vocab, hidden]` blocks (the `lm_head` object itself
+    when tied), None when not quantized; a backend may swap `model.embed_tokens` for a module
+    that looks rows up in them (`forward(input_ids) -> [..., hidden]` in the model's dtype), and,
+    for an untied quantized head, `model.lm_head` for the module that computes the logits
+    (the one it sets as `model.quantized_lm_head`). `experts`: `(parent, attribute, module,
+    experts)` per "moe" module whose stacks are block-quantized (`moe.QuantizedExperts`),
+    swapped by `setattr(parent, attribute, new)` for a module of the same call. `mixed`: `(parent,
+    attribute, module, runs)` per fused linear whose parts are of several types (llama.cpp's Q4_K_M
+    files store `attn_v` in Q6_K next to Q4_K `attn_q` / `attn_k` in half the layers): `runs` are its
+    consecutive same-typed parts stacked, in row order (at least two types; their rows sum to the
+    module's, one width); a backend that leaves it (or does not read this field) keeps it dense."""
 
     linears: list[tuple[nn.Module, str, nn.Module, QuantizedWeight]] = field(default_factory=list)
     lm_head: QuantizedWeight | None = None
     sources: dict[int, list[str]] = field(default_factory=dict)  # id(dense module) -> its checkpoint weights
+    embedding: QuantizedWeight | None = None
+    experts: list[tuple[nn.Module, str, nn.Module, gguf_moe.QuantizedExperts]] = field(default_factory=list)
+    # (parent, attribute, module, checkpoint names) of the embedding, the untied LM head and the experts
+    others: list[tuple[nn.Module, str, nn.Module, tuple[str, ...]]] = field(default_factory=list)
+    mixed: list[tuple[nn.Module, str, nn.Module, list[QuantizedWeight]]] = field(default_factory=list)
 
     def replaced_weights(self) -> set[str]:
-        """Checkpoint names of the weight matrices of the linears the backend swapped out."""
-        return {name for parent, attr, dense, _ in self.linears if getattr(parent, attr) is not dense
-                for name in self.sources[id(dense)]}
+        """Checkpoint names of the weights of the modules the backend swapped out."""
+        places = [(parent, attr, dense) for parent, attr, dense, _ in self.linears]
+        places += [(parent, attr, dense) for parent, attr, dense, _ in self.mixed]
+        linears = {name for parent, attr, dense in places if getattr(parent, attr) is not dense
+                   for name in self.sources[id(dense)]}
+        return linears | {name for parent, attr, dense, names in self.others if getattr(parent, attr) is not dense
+                          for name in names}
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
@@ -113,8 +124,9 @@ def quantizer(backend: Any, folder: str | Path, hf_config: dict[str, Any]) -> Ca
 
 
 def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dict[str, QuantizedWeight]:
-    """Every quantized matrix of a converted GGUF folder, by Hugging Face tensor
-    name, its blocks read from the GGUF file (q/k rows un-permuted)."""
+    """Every quantized matrix of a converted GGUF folder, by Hugging Face tensor name: where
+    its blocks lie in the GGUF file (q/k rows to un-permute), checked against the type's
+    block size; nothing is read (`QuantizedWeight.blocks` reads when a backend asks)."""
     name = (hf_config.get("polyrunner_gguf") or {}).get("quantized_weights")
     if not name:
         return {}
@@ -124,26 +136,26 @@ def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dic
         gguf_tensors.checked_source(gguf_tensors.read_index(folder))   # gone or changed: a clear error
     if not src.is_file():
         raise GGUFError(f"{folder}: its GGUF file {src} is gone; convert it again")
+    source = GGUFSource.of(src)
     out = {}
-    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for hf_name, t in index["tensors"].items():
-            rows, cols = t["shape"]
-            per_block, nbytes = _BLOCKS.get(t["type"], (0, 0))
-            if not per_block or cols % per_block or rows * cols // per_block * nbytes != t["nbytes"]:
-                raise GGUFError(f"{src}: tensor {hf_name!r} ({t['type']}, {rows}x{cols}) has {t['nbytes']} bytes")
-            blocks = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"]).reshape(rows, -1).copy()
-            if t["permute_heads"]:
-                half = rows // t["permute_heads"] // 2
-                blocks = blocks.reshape(t["permute_heads"], half, 2, -1).swapaxes(1, 2).reshape(rows, -1).copy()
-            out[hf_name] = QuantizedWeight(t["type"], (rows, cols), blocks)
+    for hf_name, t in index["tensors"].items():
+        rows, cols = t["shape"]
+        per_block, nbytes = _BLOCKS.get(t["type"], (0, 0))
+        if (not per_block or cols % per_block or rows * cols // per_block * nbytes != t["nbytes"]
+                or t["offset"] + t["nbytes"] > source.size):
+            raise GGUFError(f"{src}: tensor {hf_name!r} ({t['type']}, {rows}x{cols}) has {t['nbytes']} bytes "
+                            f"at offset {t['offset']}")
+        part = BlockRows(t["offset"], rows, t["nbytes"] // rows, t["permute_heads"] or None)
+        out[hf_name] = QuantizedWeight(t["type"], (rows, cols), source=source, parts=[part])
     return out
 
 
 def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, Any]) -> QuantizedModel:
     """Match the folder's quantized matrices to the model's "linear" modules (from
     its `replaceable_modules()` hook) and its LM head. A fused linear gets its
-    parts' rows stacked when they share one type; otherwise (mixed types, a
-    part not quantized, a shape that disagrees) it is left out and stays dense."""
+    parts' rows stacked when they share one type, and is in `mixed` (its runs of one
+    type stacked) when they do not; otherwise (a part not quantized, a shape that
+    disagrees) it is left out and stays dense."""
     weights = read_quantized_weights(folder, hf_config)
     names = {id(module): name for name, module in model.named_modules()}
     packed = getattr(model, "packed_modules_mapping", {})
@@ -154,13 +166,38 @@ def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, A
             continue
         prefix, _, leaf = names[id(module)].rpartition(".")
         found = [_find(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
-        stacked = _stack([weights.get(name) for name in found], (module.out_features, module.in_features))
+        parts, shape = [weights.get(name) for name in found], (module.out_features, module.in_features)
+        stacked = _stack(parts, shape)
+        runs = _runs(parts, shape) if stacked is None else None
         if stacked is not None:
             result.linears.append((parent, attr, module, stacked))
+        elif runs is not None:
+            result.mixed.append((parent, attr, module, runs))
+        if stacked is not None or runs is not None:
             result.sources[id(module)] = found
     head = "embed_tokens" if hf_config.get("tie_word_embeddings") else "lm_head"
     result.lm_head = weights.get(_find(weights, head))
+    _match_embedding_and_head(model, weights, result, tied=head == "embed_tokens")
+    moe = [(parent, attr, module) for role, parent, attr, module in (hook() if hook is not None else ())
+           if role == "moe"]
+    for parent, attr, module, experts in gguf_moe.quantized_experts(model, moe, folder) if moe else ():
+        result.experts.append((parent, attr, module, experts))
+        result.others.append((parent, attr, module, experts.sources))
     return result
+
+
+def _match_embedding_and_head(model: nn.Module, weights: dict[str, QuantizedWeight], result: QuantizedModel,
+                              tied: bool) -> None:
+    """`result.embedding` (and its place) when the token embedding is quantized with the model's
+    shape; the untied LM head's place when it is quantized."""
+    name = _find(weights, "embed_tokens")
+    embed, lm_head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    quantized = weights.get(name)
+    if quantized is not None and isinstance(embed, nn.Embedding) and tuple(embed.weight.shape) == quantized.shape:
+        result.embedding = quantized
+        result.others.append((model, "embed_tokens", embed, (name,)))
+    if not tied and result.lm_head is not None and isinstance(lm_head, nn.Linear):
+        result.others.append((model, "lm_head", lm_head, (_find(weights, "lm_head"),)))
 
 
 def _find(weights: dict[str, QuantizedWeight], module_name: str) -> str:
@@ -173,5 +210,16 @@ def _stack(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> Quant
         return None
     if sum(p.shape[0] for p in parts) != shape[0] or any(p.shape[1] != shape[1] for p in parts):
         return None
-    blocks = parts[0].blocks if len(parts) == 1 else np.concatenate([p.blocks for p in parts])
-    return QuantizedWeight(parts[0].qtype, shape, blocks)
+    return QuantizedWeight.stacked(parts, shape)
+
+
+def _runs(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> list[QuantizedWeight] | None:
+    """A fused linear's parts of several types as runs of consecutive same-typed parts, each stacked; None
+    when a part is not quantized, the shapes disagree, or there is one type (`_stack`'s case)."""
+    known = [p for p in parts if p is not None]
+    if not known or len(known) != len(parts) or len({p.qtype for p in known}) == 1:
+        return None
+    if sum(p.shape[0] for p in known) != shape[0] or any(p.shape[1] != shape[1] for p in known):
+        return None
+    runs = [list(group) for _, group in itertools.groupby(known, key=lambda p: p.qtype)]
+    return [QuantizedWeight.stacked(run, (sum(p.shape[0] for p in run), shape[1])) for run in runs]

@@ -3,10 +3,12 @@
 A converted folder (`loader.py`) holds no weight copy: `gguf_tensors.json`
 records, for every tensor under its Hugging Face name, where its bytes lie in
 the GGUF file (GGML type, shape, offset, byte count, and the llama.cpp rotary
-row permutation to undo). `iter_weights` memory-maps the file and dequantizes
-each tensor into the run dtype when it is read (`gguf.quants.dequantize` to
-float32, as transformers does, then a cast), so nothing is written for a
-quantized run, whose remaining dense tensors (norms, embeddings) are few.
+row permutation to undo). `iter_weights` reads each tensor from the file (through a
+mapping of that tensor's bytes alone, unmapped when the tensor goes) and
+dequantizes it into the run dtype (`gguf.quants.dequantize` to float32, as
+transformers does, then a cast; row chunks of at most `STAGING_BYTES` of float32
+at a time), so nothing is written for a quantized run, whose remaining dense
+tensors (norms, embeddings) are few.
 
 A run that reads every tensor densely (an explicit dtype, or a backend without
 quantized execution) of a file with block-quantized tensors would dequantize
@@ -22,12 +24,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import mmap
 import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import torch
 
 from polyrunner.models.gguf import partial
 from polyrunner.models.gguf.errors import GGUFError, gguf_import_error
+from polyrunner.models.weight_reader import map_range, read_safetensors
 
 __all__ = ["TENSORS_FILE", "FLOAT_TYPES", "is_gguf_folder", "read_index", "tensor_shapes", "dense_cache_file",
            "describe_source", "iter_weights", "dense_copy", "checked_source", "unpermute_rotary"]
@@ -128,71 +129,75 @@ def dense_copy(folder: str | Path, dtype: torch.dtype) -> Path:
 
 def _read_gguf(index: dict[str, Any], dtype: torch.dtype,
                skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the GGUF file in `dtype`, read through a mapping of its own bytes only
+    (`weight_reader.map_range`: the file's pages leave the process with the tensor) and
+    dequantized in row chunks of at most `STAGING_BYTES` of float32, so neither the whole
+    file nor a whole tensor is staged in float32."""
     try:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
     except ImportError as exc:
         raise gguf_import_error(exc) from None
     src = checked_source(index)
-    with open(src, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            yield from _tensors(mm, src, index, dtype, skip, GGMLQuantizationType, dequantize)
-        finally:
-            try:
-                mm.close()
-            except BufferError:   # an error left an array viewing the map: it closes when that is freed
-                pass
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        for name, t in index["tensors"].items():
+            if name not in skip:
+                yield name, _dense_tensor(fd, src, name, t, dtype, GGMLQuantizationType, dequantize)
+    finally:
+        os.close(fd)
 
 
-def _tensors(mm: mmap.mmap, src: Path, index: dict[str, Any], dtype: torch.dtype, skip: frozenset[str],
-             qtypes: Any, dequantize: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, t in index["tensors"].items():
-        if name in skip:
-            continue
-        shape = tuple(t["shape"])
-        if t["type"] == "Q8_0" and not t.get("permute_heads"):   # e.g. a token embedding: the biggest tensor
-            raw = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"])
-            yield name, _dequantize_q8_0(raw, shape, dtype)
-            del raw
-            continue
+STAGING_BYTES = 64 << 20   # float32 bytes dequantized at a time (per tensor: a row chunk)
+
+
+def _dense_tensor(fd: int, src: Path, name: str, t: dict[str, Any], dtype: torch.dtype, qtypes: Any,
+                  dequantize: Any) -> torch.Tensor:
+    """Tensor `name` of the index (`t`) read from the open GGUF file `fd`, in `dtype`, its
+    rotary rows un-permuted."""
+    shape = tuple(t["shape"])
+    mapped = map_range(fd, t["offset"], t["nbytes"])   # unmapped when the last view of it goes
+    if t["type"] in FLOAT_TYPES:   # a cast, no dequantization
+        w = mapped.view(_FLOAT_VIEWS[t["type"]]).view(shape).to(dtype)
+    else:
+        raw, rows = mapped.numpy(), shape[0] if len(shape) > 1 else 1
+        w = torch.empty(shape, dtype=dtype)
+        flat, blocks = w.view(rows, -1), raw.reshape(rows, -1)
+        step = max(1, STAGING_BYTES // max(1, 4 * flat.shape[1]))
         try:
-            raw = np.frombuffer(mm, np.uint8, t["nbytes"], t["offset"])
-            rows = shape[0] if len(shape) > 1 else 1
-            w = dequantize(raw.reshape(rows, -1), qtypes[t["type"]]).reshape(shape)
+            for r in range(0, rows, step):
+                if t["type"] == "Q8_0":
+                    flat[r:r + step] = _dequantize_q8_0(blocks[r:r + step])
+                else:
+                    flat[r:r + step] = torch.from_numpy(np.asarray(dequantize(blocks[r:r + step], qtypes[t["type"]]),
+                                                                   dtype=np.float32))
         except Exception as exc:
             raise GGUFError(f"{src}: cannot dequantize tensor {t.get('name', name)!r} ({t['type']}): "
                             f"{type(exc).__name__}: {exc}") from None
-        if t.get("permute_heads"):
-            w = unpermute_rotary(w, t["permute_heads"])
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if not w.flags.writeable:   # a view of the map (F32): copy out before the map closes
-            w = w.copy()
-        yield name, torch.from_numpy(w).to(dtype)
-        del raw, w   # the map can only close once no array views it
+    if t.get("permute_heads"):
+        heads = t["permute_heads"]
+        w = w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    return w if w.dtype == dtype else w.to(dtype)
 
 
-def _dequantize_q8_0(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """GGML Q8_0 blocks (a float16 scale, then 32 int8 weights) as `dtype`: the same
-    values as gguf's numpy `dequantize`, in a few threaded torch ops (~3x faster)."""
-    with warnings.catch_warnings():   # the map is read-only; nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(raw).view(-1, 34)
+_FLOAT_VIEWS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _dequantize_q8_0(raw: np.ndarray) -> torch.Tensor:
+    """GGML Q8_0 blocks (a float16 scale, then 32 int8 weights), rows of `raw`, as float32: the
+    same values as gguf's numpy `dequantize`, in a few threaded torch ops (~3x faster)."""
+    blocks = torch.from_numpy(raw).view(-1, 34)
     scale = blocks[:, :2].contiguous().view(torch.float16).float()
-    return blocks[:, 2:].view(torch.int8).float().mul_(scale).view(shape).to(dtype)
+    return blocks[:, 2:].view(torch.int8).float().mul_(scale).view(raw.shape[0], -1)
 
 
 def _read_cache(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
     from polyrunner.models.hf_config import ModelFileError
 
     try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-    except SafetensorError as exc:
-        raise ModelFileError(f"{path}: corrupt dense weight cache ({exc}); delete it to have it written again",
+        yield from read_safetensors(path)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{exc}; the dense weight cache {path} is corrupt: delete it to have it written again",
                              path) from None
 
 
