@@ -1,6 +1,6 @@
 """Where W1's time goes on the CPU backend: prefill linears, decode linears, attention, the rest.
 
-    .venv/bin/python benchmarks/w1_breakdown.py [--dtype bfloat16|quantized] [--workload w1]
+    .venv/bin/python benchmarks/w1_breakdown.py [--dtype bfloat16|quantized] [--workload w1] [--model PATH]
 
 Two runs of the workload in one process, after a warm-up each:
 1. as served (CPU graphs on): wall time split into steps with prompt tokens ("prefill": prefill
@@ -72,8 +72,8 @@ def instrument(llm, clock: Clock, ops: bool) -> None:
             module.attn_op = clock.wrap(module.attn_op, "attention")
 
 
-def measure(eager: bool, workload: str, **options) -> tuple[float, dict[str, float], str]:
-    llm = make_llm(None, eager, **options)
+def measure(eager: bool, workload: str, model: str | None = None, **options) -> tuple[float, dict[str, float], str]:
+    llm = make_llm(model, eager, **options)
     w = make_workload(workload)
     _generate(llm, w.prompts[:4], 8)   # warm-up
     clock = Clock()
@@ -122,9 +122,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16",
                     help='"quantized": the GGUF blocks as they are (what `LLM()` runs by default)')
     ap.add_argument("--workload", default="w1", choices=["w1", "w2", "w3"])
+    ap.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded model), "
+                    "e.g. a real-shape model of benchmarks/realistic_models.py")
     args = ap.parse_args()
     print(format_host(host_info()))
-    options = {} if args.dtype == "quantized" else {"dtype": args.dtype}
+    options = {"model": args.model} if args.model else {}
+    options.update({} if args.dtype == "quantized" else {"dtype": args.dtype})
     wall, parts, profile = measure(False, args.workload, **options)
     print(table(f"{args.workload} as served (graphs)", wall, parts))
     print(profile)
