@@ -3,13 +3,12 @@ foreign runner's venv (vLLM, llama.cpp), where polyrunner is not installed.
 `core/tools/bench/workloads.py` needs only numpy.
 
 Also what every worker does with a workload alike: `capped` (smoke runs) and `result` (the fields of
-a `RESULT` line, derived as polyrunner's own `tools/bench/run.py: run_workload` derives them)."""
+a `RESULT` line, by the workloads module's `result`, as polyrunner's own `run_workload` does)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -34,17 +33,5 @@ def capped(w: Any, max_tokens: int | None) -> Any:
 
 def result(runner: str, w: Any, walls: list[float], ttfts: list[float], output_tokens: int,
            **extra: Any) -> dict[str, Any]:
-    """A worker's `RESULT` fields for workload `w`: the median of the timed runs' `walls`, output and
-    total tok/s; W2's mean time per output token (wall / max_tokens); W3's TTFT (median of `ttfts`, the
-    1-token runs or the first tokens' times) and time per output token ((wall - TTFT) / (max_tokens - 1))."""
-    wall = statistics.median(walls)
-    res = dict(runner=runner, workload=w.name, wall_s=wall, walls=walls, output_tokens=output_tokens,
-               prompt_tokens=w.prompt_tokens, output_tok_s=output_tokens / wall,
-               total_tok_s=(output_tokens + w.prompt_tokens) / wall, **extra)
-    if w.name == "w2":
-        res["tpot_ms"] = wall / w.max_tokens * 1e3
-    if w.name == "w3":
-        ttft = statistics.median(ttfts)
-        res["ttft_ms"] = ttft * 1e3
-        res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
-    return res
+    """`core/tools/bench/workloads.py: result`: the fields of a worker's `RESULT` line."""
+    return workloads().result(runner, w, walls, ttfts, output_tokens, **extra)

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from polyrunner.tools.bench.workloads import Workload, make_workload
+from polyrunner.tools.bench.workloads import Workload, make_workload, result
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +69,9 @@ def run_workload(llm, w: Workload, repeats: int = 3) -> dict[str, Any]:
             wall, ntok, tokens = _generate(llm, w.prompts, w.max_tokens)
         walls.append(wall)
         steps = rec.steps
-    wall = statistics.median(walls)
-    res: dict[str, Any] = dict(
-        runner="polyrunner" + ("-eager" if llm.engine.config.runner.enforce_eager else ""),
-        workload=w.name, dtype=str(llm.engine.dtype).removeprefix("torch."), wall_s=wall, walls=walls,
-        output_tokens=ntok, prompt_tokens=w.prompt_tokens,
-        output_tok_s=ntok / wall, total_tok_s=(ntok + w.prompt_tokens) / wall, step_tokens=steps,
-        first_tokens=tokens[0][:16])
-    if w.name == "w2":
-        res["tpot_ms"] = wall / w.max_tokens * 1e3
-    if w.name == "w3":
-        ttft = statistics.median(ttfts)
-        res["ttft_ms"] = ttft * 1e3
-        res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
-    return res
+    runner = "polyrunner" + ("-eager" if llm.engine.config.runner.enforce_eager else "")
+    return result(runner, w, walls, ttfts, ntok, dtype=str(llm.engine.dtype).removeprefix("torch."),
+                  step_tokens=steps, first_tokens=tokens[0][:16])
 
 
 COLD_START_CHILD = r"""

@@ -11,7 +11,9 @@ a CPU with AVX512_BF16 or AMX, else float32), greedy, ignore_eos.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -48,3 +50,22 @@ def make_workload(name: str) -> Workload:
 
 
 WORKLOADS = ("w1", "w2", "w3")
+
+
+def result(runner: str, w: Any, walls: list[float], ttfts: list[float], output_tokens: int,
+           **extra: Any) -> dict[str, Any]:
+    """A run's `RESULT` fields for workload `w` (every runner's, polyrunner's and the foreign
+    workers'): the median of the timed runs' `walls`, output and total tok/s; W2's mean time per
+    output token (wall / max_tokens); W3's TTFT (median of `ttfts`, the 1-token runs or the first
+    tokens' times) and time per output token ((wall - TTFT) / (max_tokens - 1))."""
+    wall = statistics.median(walls)
+    res = dict(runner=runner, workload=w.name, wall_s=wall, walls=walls, output_tokens=output_tokens,
+               prompt_tokens=w.prompt_tokens, output_tok_s=output_tokens / wall,
+               total_tok_s=(output_tokens + w.prompt_tokens) / wall, **extra)
+    if w.name == "w2":
+        res["tpot_ms"] = wall / w.max_tokens * 1e3
+    if w.name == "w3":
+        ttft = statistics.median(ttfts)
+        res["ttft_ms"] = ttft * 1e3
+        res["tpot_ms"] = (wall - ttft) / (w.max_tokens - 1) * 1e3
+    return res
