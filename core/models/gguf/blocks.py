@@ -12,6 +12,7 @@ of the file's pages, never copied.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -22,7 +23,22 @@ import numpy as np
 
 from polyrunner.models.weight_reader import map_range
 
-__all__ = ["BlockRows", "GGUFSource", "QuantizedWeight"]
+__all__ = ["BLOCK_SIZES", "BlockRows", "GGUFSource", "QuantizedWeight", "whole_blocks"]
+
+# GGML type -> (weights per block, bytes per block): the block-quantized types read as blocks.
+BLOCK_SIZES = {
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+}
+
+
+def whole_blocks(qtype: str, shape: Sequence[int], nbytes: int) -> bool:
+    """Whether a tensor of `shape` (rows: every dimension but the last) stored in `nbytes` is whole
+    blocks of `qtype` (one of `BLOCK_SIZES`) per row."""
+    per_block, block_bytes = BLOCK_SIZES.get(qtype, (0, 0))
+    *rows, cols = shape
+    return bool(per_block) and cols % per_block == 0 and math.prod(rows) * cols // per_block * block_bytes == nbytes
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import nn
 
 from polyrunner.models.gguf import tensors as gguf_tensors
-from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight
+from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight, whole_blocks
 from polyrunner.models.gguf.errors import GGUFError
 
 __all__ = ["MOE_ARCHITECTURES", "is_moe", "layer_tensors", "hf_shape", "moe_config", "QuantizedExperts",
@@ -196,29 +195,18 @@ def _stack(t: dict[str, Any], source: GGUFSource) -> QuantizedWeight:
 
 
 def _quantized_stacks(stacks: list[dict[str, Any] | None], module: nn.Module) -> bool:
-    """Whether the three stack entries exist, are block-quantized with whole blocks per row, gate and
-    up of one type, and have the module's shapes."""
+    """Whether the three stack entries exist, are block-quantized (`BLOCK_SIZES`: float stacks are not)
+    with whole blocks per row, gate and up of one type, and have the module's shapes."""
     if any(t is None for t in stacks):
         return False
     gate, up, down = stacks
     assert gate is not None and up is not None and down is not None
     experts, inter = getattr(module, "num_experts", 0), getattr(module, "intermediate", 0)
     hidden = gate["shape"][-1]
-    if gate["type"] != up["type"] or any(t["type"] in gguf_tensors.FLOAT_TYPES for t in stacks):
+    if gate["type"] != up["type"]:
         return False
     want = [experts, inter, hidden]
     if (gate["shape"], up["shape"], down["shape"]) != (want, want, [experts, hidden, inter]):
         return False
-    return all(_whole_blocks(t) for t in stacks)
+    return all(whole_blocks(t["type"], t["shape"], t["nbytes"]) for t in stacks)
 
-
-def _whole_blocks(t: dict[str, Any]) -> bool:
-    """Whether a stack's byte count is whole blocks of its GGML type per row."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    qtype = getattr(GGMLQuantizationType, t["type"], None)
-    if qtype is None:
-        return False
-    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-    *rows, cols = t["shape"]
-    return cols % per_block == 0 and int(np.prod(rows)) * cols // per_block * block_bytes == t["nbytes"]

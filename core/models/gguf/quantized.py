@@ -28,18 +28,10 @@ from torch import nn
 
 from polyrunner.models.gguf import moe as gguf_moe
 from polyrunner.models.gguf import tensors as gguf_tensors
-from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight
+from polyrunner.models.gguf.blocks import BlockRows, GGUFSource, QuantizedWeight, whole_blocks
 from polyrunner.models.gguf.errors import GGUFError
 
 logger = logging.getLogger(__name__)
-
-# GGML type -> (weights per block, bytes per block), for the types GGUF files carry.
-_BLOCKS = {
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-}
-
 
 @dataclass
 class QuantizedModel:
@@ -140,9 +132,7 @@ def read_quantized_weights(folder: str | Path, hf_config: dict[str, Any]) -> dic
     out = {}
     for hf_name, t in index["tensors"].items():
         rows, cols = t["shape"]
-        per_block, nbytes = _BLOCKS.get(t["type"], (0, 0))
-        if (not per_block or cols % per_block or rows * cols // per_block * nbytes != t["nbytes"]
-                or t["offset"] + t["nbytes"] > source.size):
+        if not whole_blocks(t["type"], (rows, cols), t["nbytes"]) or t["offset"] + t["nbytes"] > source.size:
             raise GGUFError(f"{src}: tensor {hf_name!r} ({t['type']}, {rows}x{cols}) has {t['nbytes']} bytes "
                             f"at offset {t['offset']}")
         part = BlockRows(t["offset"], rows, t["nbytes"] // rows, t["permute_heads"] or None)
@@ -167,13 +157,12 @@ def quantized_model(model: nn.Module, folder: str | Path, hf_config: dict[str, A
         prefix, _, leaf = names[id(module)].rpartition(".")
         found = [_find(weights, f"{prefix}.{p}" if prefix else p) for p in packed.get(leaf, [leaf])]
         parts, shape = [weights.get(name) for name in found], (module.out_features, module.in_features)
-        stacked = _stack(parts, shape)
-        runs = _runs(parts, shape) if stacked is None else None
-        if stacked is not None:
-            result.linears.append((parent, attr, module, stacked))
+        runs = _runs(parts, shape)
+        if runs is not None and len(runs) == 1:
+            result.linears.append((parent, attr, module, runs[0]))
         elif runs is not None:
             result.mixed.append((parent, attr, module, runs))
-        if stacked is not None or runs is not None:
+        if runs is not None:
             result.sources[id(module)] = found
     head = "embed_tokens" if hf_config.get("tie_word_embeddings") else "lm_head"
     result.lm_head = weights.get(_find(weights, head))
@@ -205,19 +194,12 @@ def _find(weights: dict[str, QuantizedWeight], module_name: str) -> str:
     return f"model.{module_name}.weight" if f"model.{module_name}.weight" in weights else f"{module_name}.weight"
 
 
-def _stack(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> QuantizedWeight | None:
-    if not parts or any(p is None for p in parts) or len({p.qtype for p in parts}) != 1:
-        return None
-    if sum(p.shape[0] for p in parts) != shape[0] or any(p.shape[1] != shape[1] for p in parts):
-        return None
-    return QuantizedWeight.stacked(parts, shape)
-
-
 def _runs(parts: list[QuantizedWeight | None], shape: tuple[int, int]) -> list[QuantizedWeight] | None:
-    """A fused linear's parts of several types as runs of consecutive same-typed parts, each stacked; None
-    when a part is not quantized, the shapes disagree, or there is one type (`_stack`'s case)."""
+    """A linear's parts (its checkpoint matrices, in row order) as runs of consecutive same-typed parts,
+    each stacked: one run when they share a type (the whole linear), several for a fused linear of mixed
+    types; None when a part is not quantized or the shapes disagree with the module's `shape`."""
     known = [p for p in parts if p is not None]
-    if not known or len(known) != len(parts) or len({p.qtype for p in known}) == 1:
+    if not known or len(known) != len(parts):
         return None
     if sum(p.shape[0] for p in known) != shape[0] or any(p.shape[1] != shape[1] for p in known):
         return None
