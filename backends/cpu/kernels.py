@@ -257,7 +257,39 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_replay_timed.argtypes = [ptr, i64, ptr]
     lib.pr_replay_kernel_name.restype = ctypes.c_char_p
     lib.pr_replay_kernel_name.argtypes = [ctypes.c_int]
+    _declare_quant(lib)
     return lib
+
+
+def _declare_quant(lib: ctypes.CDLL) -> None:
+    """The GGUF-quantized kernels' types (quant_linear.py, quant_embedding.py, moe_module.py)."""
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.pr_quant_isa_compiled.argtypes = [i32]
+    lib.pr_quant_isa_compiled.restype = i32
+    lib.pr_quant_best_isa.restype = i32
+    lib.pr_quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, i32]
+    lib.pr_quant_linear.restype = i32
+    lib.pr_quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
+    lib.pr_quant_dequantize.restype = i32
+    lib.pr_quant_r8_supported.argtypes = [i32]
+    lib.pr_quant_r8_supported.restype = i32
+    lib.pr_quant_r8_isa.argtypes = [i32, i32]
+    lib.pr_quant_r8_isa.restype = i32
+    lib.pr_quant_r8_bytes.argtypes = [i32, i64, i64]
+    lib.pr_quant_r8_bytes.restype = i64
+    lib.pr_quant_repack8.argtypes = [i32, ptr, i64, i64, ptr]
+    lib.pr_quant_repack8.restype = i32
+    lib.pr_quant_linear8.argtypes = lib.pr_quant_linear.argtypes
+    lib.pr_quant_linear8.restype = i32
+    lib.pr_quant_dequantize8.argtypes = lib.pr_quant_dequantize.argtypes
+    lib.pr_quant_dequantize8.restype = i32
+    lib.pr_quant_rows.argtypes = [i32, ptr, i32, i64, i64, ptr, i64, ptr, i64, i32]
+    lib.pr_quant_rows.restype = i32
+    lib.pr_moe_quant.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, ptr, ptr, i32, i32, ptr, i32, i32, ptr, i64,
+                                 i64, i64, i64, i64, i64, i32, i32, ptr, i64]
+    lib.pr_moe_quant.restype = i32
+    lib.pr_moe_quant_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
+    lib.pr_moe_quant_scratch_bytes.restype = i64
 
 
 @contextlib.contextmanager

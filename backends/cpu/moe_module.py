@@ -103,7 +103,6 @@ class MoEOverride:
 # ---- experts in GGUF blocks -----------------------------------------------------------
 
 QUANT_MAX_TOKENS = 2048   # tokens per pass at most (the scratch is sized once, before the scheduler's budget is known)
-_declared: set[int] = set()
 
 
 class QuantStack(NamedTuple):
@@ -122,20 +121,6 @@ def quant_chunk_tokens(hidden: int, intermediate: int, top_k: int, max_tokens: i
     x, gate_up and output rows), at most `max_tokens`, at least 1."""
     per_token = top_k * (8 * hidden + 8 * intermediate + 16)
     return max(1, min(max_tokens, SCRATCH_BUDGET // per_token))
-
-
-def quant_library() -> ctypes.CDLL | None:
-    """The kernel library with `pr_moe_quant` declared; None without one."""
-    lib = kernels.paged_attention_kernel()
-    if lib is not None and id(lib) not in _declared:
-        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.pr_moe_quant.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, ptr, ptr, i32, i32, ptr, i32, i32, ptr, i64,
-                                     i64, i64, i64, i64, i64, i32, i32, ptr, i64]
-        lib.pr_moe_quant.restype = i32
-        lib.pr_moe_quant_scratch_bytes.argtypes = [i64, i64, i64, i64, i64]
-        lib.pr_moe_quant_scratch_bytes.restype = i64
-        _declared.add(id(lib))
-    return lib
 
 
 class QuantFusedMoE(nn.Module):

@@ -19,18 +19,11 @@ from torch import nn
 from polyrunner.backends.cpu import kernels
 from polyrunner.backends.cpu.kernel_calls import call
 
-_declared: set[int] = set()
-
 
 def _library() -> ctypes.CDLL:
     lib = kernels.paged_attention_kernel()
     if lib is None:
         raise RuntimeError("the quantized embedding needs the CPU kernel library (no C++ compiler?)")
-    if id(lib) not in _declared:
-        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.pr_quant_rows.argtypes = [i32, ptr, i32, i64, i64, ptr, i64, ptr, i64, i32]
-        lib.pr_quant_rows.restype = i32
-        _declared.add(id(lib))
     return lib
 
 

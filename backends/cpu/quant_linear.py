@@ -51,7 +51,7 @@ from torch.nn import functional as F
 
 from polyrunner.backends.cpu import envs, kernel_table, kernels, repack_cache
 from polyrunner.backends.cpu.kernel_calls import call
-from polyrunner.backends.cpu.moe_module import QuantFusedMoE, QuantMoEScratch, QuantStack, quant_library
+from polyrunner.backends.cpu.moe_module import QuantFusedMoE, QuantMoEScratch, QuantStack
 from polyrunner.backends.cpu.quant_embedding import QuantEmbedding
 from polyrunner.backends.cpu.quant_runs import QuantRunsLinear
 from polyrunner.backends.cpu.repack_cache import PreparedBlocks
@@ -72,37 +72,13 @@ HEAD_PREFILL_ROWS_R8 = 128
 # the dense path dequantises the weight in slabs of rows of at most this many bytes, so its scratch stays
 # small (a large LM head whole: 1 GB of float32 for 128256 x 2048, kept per thread)
 DENSE_SLAB_BYTES = 32 << 20
-_declared: set[int] = set()
 _scratch = threading.local()  # per thread: one reused buffer for dequantised weights (no mmap/fault per call)
 
 
 def library(lib: ctypes.CDLL | None = None) -> ctypes.CDLL | None:
-    """The kernel library (default: the backend's, `kernels.paged_attention_kernel()`)
-    with the quantized functions declared; None without one."""
-    lib = lib if lib is not None else kernels.paged_attention_kernel()
-    if lib is not None and id(lib) not in _declared:
-        i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-        lib.pr_quant_isa_compiled.argtypes = [i32]
-        lib.pr_quant_isa_compiled.restype = i32
-        lib.pr_quant_best_isa.restype = i32
-        lib.pr_quant_linear.argtypes = [i32, ptr, i64, i64, ptr, i64, i32, i64, ptr, i64, i32, i32]
-        lib.pr_quant_linear.restype = i32
-        lib.pr_quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
-        lib.pr_quant_dequantize.restype = i32
-        lib.pr_quant_r8_supported.argtypes = [i32]
-        lib.pr_quant_r8_supported.restype = i32
-        lib.pr_quant_r8_isa.argtypes = [i32, i32]
-        lib.pr_quant_r8_isa.restype = i32
-        lib.pr_quant_r8_bytes.argtypes = [i32, i64, i64]
-        lib.pr_quant_r8_bytes.restype = i64
-        lib.pr_quant_repack8.argtypes = [i32, ptr, i64, i64, ptr]
-        lib.pr_quant_repack8.restype = i32
-        lib.pr_quant_linear8.argtypes = lib.pr_quant_linear.argtypes
-        lib.pr_quant_linear8.restype = i32
-        lib.pr_quant_dequantize8.argtypes = lib.pr_quant_dequantize.argtypes
-        lib.pr_quant_dequantize8.restype = i32
-        _declared.add(id(lib))
-    return lib
+    """`lib`, else the backend's kernel library (`kernels.paged_attention_kernel()`; its functions'
+    types declared at load); None without one."""
+    return lib if lib is not None else kernels.paged_attention_kernel()
 
 
 def isa_unavailable_reason(isa: str, lib: ctypes.CDLL | None = None) -> str | None:
@@ -419,7 +395,7 @@ def _experts(moe: nn.Module, experts, isa: str, scratch: QuantMoEScratch,
              prepared: PreparedBlocks | None = None) -> QuantFusedMoE | None:
     """`moe`'s experts over their blocks (`QuantizedExperts`: gate, up, down stacks), None when a type
     has no kernel or the shape is beyond `pr_moe_quant`'s limits."""
-    lib = quant_library()
+    lib = library()
     num, inter = experts.num_experts, moe.intermediate
     hidden = experts.down.shape[0] // num
     types = (experts.gate.qtype, experts.up.qtype, experts.down.qtype)

@@ -9,10 +9,10 @@ A converted GGUF folder (`gguf/loader.py`) holds no weight copy: its tensors are
 read from the GGUF file in place, dequantized into the run dtype
 (`gguf/tensors.py`); every function here takes such a folder like any other.
 
-Memory: the parameters are the one resident copy of the weights. Each tensor is read
-with plain file reads into a buffer of its own, copied into its parameter and dropped
-(`weight_reader.py`: no shard stays mapped while the parameters fill), so the peak of a
-load is the parameters plus about one tensor.
+Memory: the parameters are the one resident copy of the weights. Each tensor views a
+mapping of its own bytes only, is copied into its parameter and dropped, which unmaps it
+(`weight_reader.py`: no whole shard stays mapped while the parameters fill), so the peak
+of a load is the parameters plus about one tensor.
 """
 
 from __future__ import annotations
