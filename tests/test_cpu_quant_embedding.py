@@ -24,7 +24,6 @@ quant_rows.cpp, quant_linear.quantize_model).
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -42,7 +41,7 @@ from polyrunner.backends.cpu import quant_linear as ql  # noqa: E402
 from polyrunner.backends.cpu.kernel_calls import REPLAYABLE  # noqa: E402
 from polyrunner.backends.cpu.quant_embedding import QuantEmbedding  # noqa: E402
 from polyrunner.models.gguf import cache as gguf_cache  # noqa: E402
-from polyrunner.models.gguf.quantized import QuantizedWeight  # noqa: E402
+from polyrunner.models.gguf.quantized import QuantizedModel, QuantizedWeight  # noqa: E402
 from quant_blocks import centered_blocks  # noqa: E402
 from test_cpu_quant_kernels import reference  # noqa: E402
 from test_cpu_quant_model import TINY_PROMPTS, _encode_scaled, early_divergences  # noqa: E402
@@ -115,7 +114,7 @@ def _quantize(qtype: str, vocab: int, hidden: int, tied: bool, seed: int = 0) ->
     weight = QuantizedWeight(qtype, (vocab, hidden), blocks)
     model = _Model(vocab, hidden, tied)
     embedding = weight if tied else None
-    n = ql.quantize_model(model, SimpleNamespace(linears=[], lm_head=weight, embedding=embedding, experts=[]))
+    n = ql.quantize_model(model, QuantizedModel(lm_head=weight, embedding=embedding))
     assert n == (2 if tied else 1)
     return model, blocks
 

@@ -316,11 +316,10 @@ def prepare_blocks(weights) -> PreparedBlocks:
     `QuantizedModel`) that run in a layout of their own (r8, or a fused linear's stacked rows), from the
     repack cache (`repack_cache.py`: written at the first start, mapped at every start)."""
     lib = library()
-    runs = [w for _, _, _, ws in getattr(weights, "mixed", ()) for w in ws]
-    experts = {id(w): ex.num_experts for _, _, _, ex in getattr(weights, "experts", ())
+    experts = {id(w): ex.num_experts for _, _, _, ex in weights.experts
                for w in (ex.gate, ex.up, ex.down)}   # stacks of experts: r8 per expert's rows
-    matrices = [w for _, _, _, w in weights.linears] + runs + [weights.lm_head]
-    matrices += [w for _, _, _, ex in getattr(weights, "experts", ()) for w in (ex.gate, ex.up, ex.down)]
+    matrices = [w for _, _, _, w in weights.linears] + [w for _, _, _, ws in weights.mixed for w in ws]
+    matrices += [weights.lm_head] + [w for _, _, _, ex in weights.experts for w in (ex.gate, ex.up, ex.down)]
 
     def layout(w) -> str | None:
         if w.qtype not in QTYPES or w.shape[1] % 32:
@@ -349,7 +348,7 @@ def quantize_model(model: nn.Module, weights) -> int:
         if new is not None:
             setattr(parent, attr, new)
             n += 1
-    for parent, attr, dense, runs in getattr(weights, "mixed", ()):
+    for parent, attr, dense, runs in weights.mixed:
         mixed = _runs_module(runs, dense.bias, prepared)
         if mixed is not None:
             setattr(parent, attr, mixed)
