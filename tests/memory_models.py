@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_header import decoder_writer
 from polyrunner.tools.conformance.tiny_llama import write_tiny_llama
 from quant_blocks import scaled_blocks
 
@@ -35,17 +35,8 @@ def write_gguf_llama(path: Path, size: tuple[int, ...], qtype: str, v_qtype: str
     hidden, inter, layers, heads, kv_heads, vocab = size
     head_dim = hidden // heads
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("memory-test-model")
-    w.add_context_length(1024)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_block_count(layers)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim)
+    w = decoder_writer(path, "llama", hidden=hidden, inter=inter, layers=layers, heads=heads, kv_heads=kv_heads,
+                       context=1024, name="memory-test-model")
     w.add_vocab_size(vocab)
 
     def matrix(name: str, rows: int, cols: int, kind: str = qtype) -> None:

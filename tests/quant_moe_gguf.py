@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gguf_header import decoder_writer
 from quant_blocks import scaled_blocks
 
 Q4_K_M = {"attn": "Q4_K", "attn_v": "Q6_K", "gate_up": "Q4_K", "down": "Q4_K", "down_more_bits": "Q6_K",
@@ -48,16 +48,8 @@ def write_quant_moe_gguf(path: Path, shape: MoEShape = MoEShape(), seed: int = 0
     rng = np.random.default_rng(seed)
     s, t = shape, shape.types
     head_dim = s.hidden // s.heads
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(s.context)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.intermediate)
-    w.add_block_count(s.layers)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(head_dim)
+    w = decoder_writer(path, "llama", hidden=s.hidden, inter=s.intermediate, layers=s.layers, heads=s.heads,
+                       kv_heads=s.kv_heads, context=s.context)
     w.add_expert_count(s.experts)
     w.add_expert_used_count(s.top_k)
 

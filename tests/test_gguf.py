@@ -29,6 +29,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from gguf_header import decoder_writer  # noqa: E402
 from polyrunner.engine.tokenizer import Tokenizer  # noqa: E402
 from polyrunner.models.default_model import DEFAULT_MODEL_FILE, INSTALL_COMMAND, default_model_path  # noqa: E402
 from polyrunner.models.gguf import cache as gguf_cache  # noqa: E402
@@ -162,18 +163,8 @@ def write_tiny_gguf(
     rng = np.random.default_rng(seed)
     hidden, inter, heads, kv_heads, head_dim, layers = 256, 512, 4, 2, 64, 2
     types = types or {}
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-test-model")
-    w.add_context_length(512)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_block_count(layers)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(rope_theta)
-    if arch in ("llama",):
-        w.add_rope_dimension_count(head_dim)
+    w = decoder_writer(path, arch, hidden=hidden, inter=inter, layers=layers, heads=heads, kv_heads=kv_heads,
+                       context=512, rope_theta=rope_theta, name="tiny-test-model")
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
