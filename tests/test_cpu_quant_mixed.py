@@ -47,7 +47,7 @@ from polyrunner.backends.cpu import repack_cache  # noqa: E402
 from polyrunner.backends.cpu.quant_runs import QuantRunsLinear  # noqa: E402
 from polyrunner.models.gguf import cache as gguf_cache  # noqa: E402
 from quant_blocks import F16_FIELDS, centered_blocks  # noqa: E402
-from test_cpu_quant_model import TINY_NEAR_TIE, TINY_PROMPTS, WEIGHT_STD, early_divergences  # noqa: E402
+from test_cpu_quant_model import TINY_PROMPTS, WEIGHT_STD, assert_close_to_dequantised  # noqa: E402
 from test_repack_cache import mapping_of  # noqa: E402
 
 pytestmark = pytest.mark.skipif(ql.library() is None, reason="no CPU kernel library (no C++ compiler?)")
@@ -121,16 +121,7 @@ def _mixed_modules(llm: LLM) -> dict[tuple[int, str], QuantRunsLinear]:
 
 def _assert_close_to(outs, want, tokens: int = TOKENS) -> None:
     """Partings only at near-ties, at most MAX_PARTED prompts; the shared prefix's logprobs within MOVED."""
-    got = [o.token_ids for o in outs]
-    assert all(len(a) == tokens for a in got)
-    early = early_divergences(got, want, tokens, TINY_NEAR_TIE, TINY_PROMPTS)
-    assert len(early) <= MAX_PARTED, early
-    for prompt, o, (ids, logprobs) in zip(TINY_PROMPTS, outs, want):   # the shared prefix: logprobs close
-        for i, (a, b) in enumerate(zip(o.token_ids, ids)):
-            if a != b:
-                break
-            moved = abs(o.logprobs[i][a].logprob - logprobs[i][b].logprob)
-            assert moved < MOVED, f"{prompt!r}: token {i}'s logprob moved by {moved:.3f} nats"
+    assert_close_to_dequantised(outs, want, tokens, MAX_PARTED, MOVED)
 
 
 def test_every_linear_quantized_and_greedy_matches_dequantised(mixed_gguf, caches):

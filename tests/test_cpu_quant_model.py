@@ -83,6 +83,22 @@ def greedy(llm: LLM, max_tokens: int = 64, logprobs: int | None = None):
     return [o.token_ids for o in outs] if logprobs is None else [(o.token_ids, o.logprobs) for o in outs]
 
 
+def assert_close_to_dequantised(outs, want, tokens: int, max_parted: int, max_moved: float) -> None:
+    """TINY_PROMPTS' greedy outputs `outs` against the dequantised model's `want` ((ids, logprobs) per
+    prompt): each `tokens` long, at most `max_parted` prompts parting before a near-tie, and along each
+    shared prefix the chosen token's logprob moved by less than `max_moved` nats."""
+    got = [o.token_ids for o in outs]
+    assert all(len(a) == tokens for a in got)
+    early = early_divergences(got, want, tokens, TINY_NEAR_TIE, TINY_PROMPTS)
+    assert len(early) <= max_parted, early
+    for prompt, o, (ids, logprobs) in zip(TINY_PROMPTS, outs, want):   # the shared prefix: logprobs close
+        for i, (a, b) in enumerate(zip(o.token_ids, ids)):
+            if a != b:
+                break
+            moved = abs(o.logprobs[i][a].logprob - logprobs[i][b].logprob)
+            assert moved < max_moved, f"{prompt!r}: token {i}'s logprob moved by {moved:.3f} nats"
+
+
 def early_divergences(got: list[list[int]], want: list[tuple[list[int], list]], n: int = 16,
                       near_tie: float = NEAR_TIE, prompts: list[str] = PROMPTS) -> list[str]:
     """Prompts whose first n tokens differ from the reference's; each must differ at a near-tie."""
@@ -237,13 +253,4 @@ def test_tiny_model_of_each_type_greedy_matches_dequantised(qtype, tiny_gguf, tm
     swapped = quant_modules(quant)
     assert len(swapped) == 4 * 2 + 1 and {m.qtype for m in swapped} == {qtype}   # qkv, o, gate_up, down; LM head
     outs = [o.outputs[0] for o in quant.generate(TINY_PROMPTS, sp, use_tqdm=False)]
-    got = [o.token_ids for o in outs]
-    assert all(len(a) == TINY_TOKENS for a in got)
-    early = early_divergences(got, want, TINY_TOKENS, TINY_NEAR_TIE, TINY_PROMPTS)
-    assert len(early) <= len(TINY_PROMPTS) // 2, early
-    for prompt, o, (ids, logprobs) in zip(TINY_PROMPTS, outs, want):   # the shared prefix: logprobs close
-        for i, (a, b) in enumerate(zip(o.token_ids, ids)):
-            if a != b:
-                break
-            moved = abs(o.logprobs[i][a].logprob - logprobs[i][b].logprob)
-            assert moved < TINY_NEAR_TIE, f"{prompt!r}: token {i}'s logprob moved by {moved:.3f} nats"
+    assert_close_to_dequantised(outs, want, TINY_TOKENS, len(TINY_PROMPTS) // 2, TINY_NEAR_TIE)
