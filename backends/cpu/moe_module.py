@@ -18,6 +18,7 @@ weight (no `w13_weight` / `w2_weight`).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,25 @@ from polyrunner.plugin_api import FusedMoE, keep_moe_attributes
 SCRATCH_BUDGET = 32 << 20   # bytes of scratch per layer shape: the tokens of one pass of the kernel
 SCORINGS = {"softmax": 0, "sigmoid": 1}
 ScratchKey = tuple[int, int, int, int]   # (hidden, intermediate, experts, top_k)
+
+
+class ShapeScratch:
+    """One kernel scratch buffer per layer shape, shared by the layers of that shape (they run one at a
+    time): `get(lib, hidden, intermediate, experts, top_k) -> (buffer, chunk)`, made on first use for
+    `chunk_of(hidden, intermediate, top_k)` tokens per kernel pass, of the bytes the library's
+    `bytes_fn(chunk, hidden, intermediate, experts, top_k)` says."""
+
+    def __init__(self, chunk_of: Callable[[int, int, int], int], bytes_fn: str) -> None:
+        self.chunk_of, self.bytes_fn = chunk_of, bytes_fn
+        self.buffers: dict[ScratchKey, tuple[torch.Tensor, int]] = {}
+
+    def get(self, lib: ctypes.CDLL, hidden: int, intermediate: int, experts: int, top_k: int
+            ) -> tuple[torch.Tensor, int]:
+        key = (hidden, intermediate, experts, top_k)
+        if key not in self.buffers:
+            chunk = self.chunk_of(hidden, intermediate, top_k)
+            self.buffers[key] = torch.empty(getattr(lib, self.bytes_fn)(chunk, *key), dtype=torch.uint8), chunk
+        return self.buffers[key]
 
 
 def chunk_tokens(hidden: int, intermediate: int, top_k: int, max_tokens: int) -> int:
@@ -80,7 +100,7 @@ class MoEOverride:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.scratch: dict[ScratchKey, tuple[torch.Tensor, int]] = {}
+        self.scratch = ShapeScratch(lambda h, i, k: chunk_tokens(h, i, k, max_tokens), "pr_moe_scratch_bytes")
 
     def __call__(self, module: nn.Module) -> nn.Module:
         lib = kernels.paged_attention_kernel()
@@ -91,12 +111,7 @@ class MoEOverride:
         _, _, hidden = module.w13_weight.shape
         if hidden > 8192 or module.num_experts > 1024:   # pr_moe's limits
             return module
-        key = (hidden, module.intermediate, module.num_experts, module.top_k)
-        if key not in self.scratch:
-            chunk = chunk_tokens(hidden, module.intermediate, module.top_k, self.max_tokens)
-            size = lib.pr_moe_scratch_bytes(chunk, *key)
-            self.scratch[key] = torch.empty(size, dtype=torch.uint8), chunk
-        scratch, chunk = self.scratch[key]
+        scratch, chunk = self.scratch.get(lib, hidden, module.intermediate, module.num_experts, module.top_k)
         return CPUFusedMoE(module, lib, scratch, chunk)
 
 
@@ -137,8 +152,7 @@ class QuantFusedMoE(nn.Module):
         if (gate.qtype, gate.r8) != (up.qtype, up.r8):
             raise ValueError(f"gate ({gate.qtype}{' r8' if gate.r8 else ''}) and up ({up.qtype}"
                              f"{' r8' if up.r8 else ''}) must share a type and layout")
-        for name in ("num_experts", "top_k", "intermediate", "renormalize", "scoring"):
-            setattr(self, name, getattr(moe, name))
+        keep_moe_attributes(self, moe, weights=False)
         self.hidden, self.isa, self.lib, self.scratch, self.chunk = hidden, isa, lib, scratch, chunk
         self.qtypes, self.r8 = (gate.qtype, down.qtype), (gate.r8, down.r8)
         self._type_ids = (gate.type_id, down.type_id)
@@ -170,19 +184,8 @@ class QuantFusedMoE(nn.Module):
                 f"down={self.qtypes[1]}{' r8' if self.r8[1] else ''}, chunk={self.chunk}")
 
 
-class QuantMoEScratch:
-    """One scratch buffer per layer shape for `QuantFusedMoE`s (layers run one at a time)."""
+class QuantMoEScratch(ShapeScratch):
+    """`ShapeScratch` for `QuantFusedMoE`s: passes of at most `max_tokens` tokens."""
 
     def __init__(self, max_tokens: int = QUANT_MAX_TOKENS) -> None:
-        self.max_tokens = max_tokens
-        self.buffers: dict[ScratchKey, tuple[torch.Tensor, int]] = {}
-
-    def get(self, lib: ctypes.CDLL, hidden: int, intermediate: int, experts: int, top_k: int
-            ) -> tuple[torch.Tensor, int]:
-        """`(scratch, chunk)` for that shape, made on first use."""
-        key = (hidden, intermediate, experts, top_k)
-        if key not in self.buffers:
-            chunk = quant_chunk_tokens(hidden, intermediate, top_k, self.max_tokens)
-            size = lib.pr_moe_quant_scratch_bytes(chunk, *key)
-            self.buffers[key] = torch.empty(size, dtype=torch.uint8), chunk
-        return self.buffers[key]
+        super().__init__(lambda h, i, k: quant_chunk_tokens(h, i, k, max_tokens), "pr_moe_quant_scratch_bytes")

@@ -92,11 +92,14 @@ def static_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
 ROLE_ATTRIBUTES = ("num_experts", "top_k", "intermediate", "renormalize", "scoring", "w13_weight", "w2_weight")
 
 
-def keep_moe_attributes(dst: nn.Module, src: nn.Module) -> None:
+def keep_moe_attributes(dst: nn.Module, src: nn.Module, weights: bool = True) -> None:
     """Give an override `dst` the role attributes of the module `src` it replaces (the same
-    parameter objects): what the "moe" role's contract says a replacement keeps."""
+    parameter objects): what the "moe" role's contract says a replacement keeps. `weights=False`:
+    the routing and size attributes only, for a replacement that holds the experts in a form of
+    its own (quantized blocks) and no dense `w13_weight` / `w2_weight`."""
     for name in ROLE_ATTRIBUTES:
-        setattr(dst, name, getattr(src, name))
+        if weights or not name.endswith("_weight"):
+            setattr(dst, name, getattr(src, name))
 
 
 class FusedMoE(nn.Module):
