@@ -99,6 +99,8 @@ struct Scratch {
 
 inline int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
 
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }  // silu(gate) * up
+
 int64_t layout(int64_t C, int64_t H, int64_t I, int64_t E, int64_t k, char* base, Scratch* s, bool quant = false) {
   const int64_t P = C * k;
   int64_t off = 0;
@@ -250,7 +252,7 @@ void experts(const Args& a, int64_t t0, int64_t C, const Scratch& s) {
         for (int m = 0; m < mr; ++m)
           for (int n = 0; n < nc; ++n) {
             const float g = res[m][n];
-            s.act[(r + m) * I + c + n] = g / (1.0f + std::exp(-g)) * res[m][nc + n];
+            s.act[(r + m) * I + c + n] = silu_mul(g, res[m][nc + n]);
           }
       }
     }
@@ -317,7 +319,7 @@ int experts_quant(const Args& a, const QuantStack& w1, const QuantStack& w3, con
   run_items((P + 15) / 16, [&](int64_t i) {
     for (int64_t r = 16 * i; r < std::min(P, 16 * i + 16); ++r) {
       float* gu = s.act + r * 2 * I;
-      for (int64_t c = 0; c < I; ++c) gu[c] = gu[c] / (1.0f + std::exp(-gu[c])) * gu[I + c];
+      for (int64_t c = 0; c < I; ++c) gu[c] = silu_mul(gu[c], gu[I + c]);
     }
   });
   for (int64_t e = 0; e < E; ++e)
