@@ -4,14 +4,17 @@
 # supported pairs, backends/supported_versions.py (.ci/check_resolution.py).
 # The `cpu` stack is resolved with the README's first step: the CPU torch, from
 # $TORCH_CPU_INDEX when set (https://download.pytorch.org/whl/cpu), else from the
-# configured indexes. About 45 s per extra, three at a time.
+# configured indexes. About 45 s per extra, three at a time; pip's downloads (whole wheels where
+# the index has no metadata files) stay in $TMP, deleted at exit, not in pip's cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 "${PYTHON:-python3}" -m venv "$TMP/venv"
+export TMPDIR="$TMP"
 PY="$TMP/venv/bin/python"
-EXTRAS=("" cpu cuda xla tpu npu)
+EXTRAS=("" xla cpu cuda tpu npu)   # xla before tpu, two apart: never resolved at once (~3.5 GB of
+                                    # wheels each where the index serves no metadata files)
 CPU_INDEX=()
 if [ -n "${TORCH_CPU_INDEX:-}" ]; then CPU_INDEX=(--extra-index-url "$TORCH_CPU_INDEX"); fi
 status=0
@@ -25,7 +28,7 @@ resolve() {   # resolve one extra into its report and check it; output kept in i
     args=("torch==$torch" "${CPU_INDEX[@]}" "$spec")
   fi
   local report="$TMP/report-${extra:-base}.json"
-  if ! "$PY" -m pip install -q --dry-run --ignore-installed --report "$report" "${args[@]}" >"$log" 2>&1; then
+  if ! "$PY" -m pip install -q --no-cache-dir --dry-run --ignore-installed --report "$report" "${args[@]}" >"$log" 2>&1; then
     { echo "resolve_extras.sh: pip cannot resolve '$spec':"; grep -v '^WARNING: Location' "$log" | tail -20; } >&2
     return 1
   fi

@@ -22,11 +22,11 @@ if [ ! -x "$PY" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 # the user's install command; a no-op for torch/torch_xla once the cached venv holds the pair
-"$PY" -m pip install -q -e ".[xla]" >"$VENV/polyrunner-install.log" 2>&1 \
+"$PY" -m pip install -q --no-cache-dir -e ".[xla]" >"$VENV/polyrunner-install.log" 2>&1 \
   || { cat "$VENV/polyrunner-install.log"; exit 1; }
 if ! "$PY" -c "import pytest, hypothesis, transformers" >/dev/null 2>&1; then
   echo "xla.sh: installing ${TEST_DEPS[*]}"
-  "$PY" -m pip install -q "${TEST_DEPS[@]}"
+  "$PY" -m pip install -q --no-cache-dir "${TEST_DEPS[@]}"
 fi
 
 export PJRT_DEVICE=CPU

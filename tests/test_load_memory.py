@@ -32,8 +32,10 @@ two waves: a later start needs the first start's cache.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -70,8 +72,9 @@ def weight_bytes(model: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def loads(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
-    """name -> (report, model): bf16 and bf16-small; per GGUF type its first and later start; mixed; gguf-small."""
+def loads(tmp_path_factory) -> Iterator[dict[str, tuple[dict, Path]]]:
+    """name -> (report, model): bf16 and bf16-small; per GGUF type its first and later start; mixed; gguf-small.
+    The models (~2.6 GB) are deleted after the module: CI's disk also holds the extras' venvs."""
     root = tmp_path_factory.mktemp("memory_models")
     models = {"bf16": memory_models.write_bf16_llama(root / "bf16", memory_models.LARGE),
               "bf16-small": memory_models.write_bf16_llama(root / "bf16-small", memory_models.SMALL),
@@ -85,7 +88,8 @@ def loads(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
         return (str(models[model]), str(root / f"cache-{model}"), *kind)
     first = measure_all({name: args(name, name) for name in models})
     later = measure_all({f"{q} later": args(q, q) for q in GGUF_TYPES})
-    return {name: (got, models[name.split()[0]]) for name, got in {**first, **later}.items()}
+    yield {name: (got, models[name.split()[0]]) for name, got in {**first, **later}.items()}
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def ratios(loads: dict[str, tuple[dict, Path]], name: str, small: str) -> tuple[float, float]:
