@@ -173,10 +173,23 @@ def test_a_model_without_the_hook_is_left_alone():
     assert all(type(m) is torch.nn.Linear for m in (model.a, model.b, model.head))
 
 
-def test_cpu_op_overrides_are_bfloat16_only():
-    """A float32 or float16 model keeps the core's modules (and pays no Python hop per layer)."""
-    assert cpu_op_overrides(executor_config(), torch.float32) == {}
+def test_cpu_op_overrides_by_dtype(cpu_kernels):
+    """A float32 model gets the fused norms, rotary and SiLU * up (its linears stay torch's or the
+    quantized ones; no MoE kernel); a float16 model keeps the core's modules."""
+    assert set(cpu_op_overrides(executor_config(), torch.float32)) == {"rms_norm", "rotary", "gated_mlp"}
     assert cpu_op_overrides(executor_config(), torch.float16) == {}
+
+
+def test_float32_overrides_swap_the_norms_rotary_and_mlp(tiny_model_factory, cpu_kernels):
+    """float32: every norm, the MLPs and the shared rotary fused; the linears are left to torch."""
+    from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
+    folder, _ = tiny_model_factory("qwen3")
+    model, arch = _tiny_model(folder, cpu_paged_attention, torch.float32)
+    replaced = apply_overrides(model, cpu_op_overrides(executor_config(), torch.float32))
+    assert replaced == {"rms_norm": 4 * arch.num_layers + 1, "rotary": 1, "gated_mlp": arch.num_layers}
+    want = {"linear": torch.nn.Linear, "rms_norm": FusedRMSNorm, "gated_mlp": FusedMLP, "rotary": FusedRotary}
+    for role, _, name, module in model.replaceable_modules():
+        assert type(module) is want[role], (role, name)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -402,7 +415,7 @@ def test_fused_rms_norm_and_mlp_match_the_model_modules(cpu_kernels, H, inter):
         assert_close_ulp(h, want, torch.bfloat16, ulps=1, abs_err=h_bound)
 
     check_h(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])   # the module's own
-    h = kernels.silu_mul_bf16(gate_up)
+    h = kernels.silu_mul(gate_up)
     assert_detects_errors(check_h, h)
     out = FusedMLP(mlp)(x)
     assert torch.equal(out, mlp.down_proj(h))
@@ -420,8 +433,8 @@ def test_steps_the_pool_runs_whole_give_torch_one_thread(monkeypatch, dtype):
     ex = llm.engine.runner.executor
     linears = [getattr(parent, name) for parent, name, _ in replaceable(ex.model, "linear")]
     assert ex.pool_rows == min(pool_rows(m) for m in linears + [ex.packed_logits])
-    fused_bf16 = next(ex.model.parameters()).dtype == torch.bfloat16 and kernels.paged_attention_kernel() is not None
-    assert ex.graph_rows == (min([pool_rows(m) for m in linears] + [4]) if fused_bf16 else 0)  # max_num_seqs 4
+    fused = kernels.paged_attention_kernel() is not None   # fused norms, rotary and SiLU * up: bfloat16 and float32
+    assert ex.graph_rows == (min([pool_rows(m) for m in linears] + [4]) if fused else 0)  # max_num_seqs 4
     if kernels.paged_attention_kernel() is not None and (dtype == "auto" or kernels.dpbf16_available()
                                                         or kernels.amx_available() or kernels.avx512_available()):
         assert ex.pool_rows > 0

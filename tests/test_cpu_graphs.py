@@ -39,38 +39,38 @@ def test_replay_recomputes_from_the_inputs_current_values(api):
 
     def forward():
         x = F.embedding(ids, table)                       # a recorded row gather
-        h = kernels.rms_norm_bf16(x, w, 1e-5)
-        return kernels.add_rms_norm_bf16(h, x, w, 1e-5)[0]
+        h = kernels.rms_norm(x, w, 1e-5)
+        return kernels.add_rms_norm(h, x, w, 1e-5)[0]
 
     replay, out = api.capture(forward, api.pool())
     for new in ([0, 1, 2, 3], [49, 49, 5, 6]):
         ids.copy_(torch.tensor(new))
         replay()
         x = table[ids]
-        want = kernels.add_rms_norm_bf16(kernels.rms_norm_bf16(x, w, 1e-5), x, w, 1e-5)[0]
+        want = kernels.add_rms_norm(kernels.rms_norm(x, w, 1e-5), x, w, 1e-5)[0]
         assert torch.equal(out, want)
 
 
 def test_a_capture_computes_nothing_until_replayed(api):
     x = torch.randn(4, 64).to(torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
-    replay, out = api.capture(lambda: kernels.rms_norm_bf16(x, w, 1e-6), api.pool())
+    replay, out = api.capture(lambda: kernels.rms_norm(x, w, 1e-6), api.pool())
     out.fill_(7)
     assert (out == 7).all()                      # the capture only recorded the call
     replay()
-    assert torch.equal(out, kernels.rms_norm_bf16(x, w, 1e-6))
+    assert torch.equal(out, kernels.rms_norm(x, w, 1e-6))
 
 
 def test_replay_profile_times_each_recorded_call(api):
     from polyrunner.backends.cpu.graphs import replay_profile
     x = torch.randn(8, 64).to(torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
-    replay, out = api.capture(lambda: kernels.add_rms_norm_bf16(kernels.rms_norm_bf16(x, w, 1e-6), x, w, 1e-6)[0],
+    replay, out = api.capture(lambda: kernels.add_rms_norm(kernels.rms_norm(x, w, 1e-6), x, w, 1e-6)[0],
                               api.pool())
     profile = replay_profile(lib, replay, repeats=3)
-    assert [name for name, _, _ in profile] == ["pr_rms_norm_bf16", "pr_add_rms_norm_bf16"]
-    assert all(us > 0 for _, _, us in profile) and profile[0][1][5] == 8   # T, as recorded
-    assert torch.equal(out, kernels.add_rms_norm_bf16(kernels.rms_norm_bf16(x, w, 1e-6), x, w, 1e-6)[0])
+    assert [name for name, _, _ in profile] == ["pr_rms_norm", "pr_add_rms_norm"]
+    assert all(us > 0 for _, _, us in profile) and profile[0][1][6] == 8   # T (after the dtype), as recorded
+    assert torch.equal(out, kernels.add_rms_norm(kernels.rms_norm(x, w, 1e-6), x, w, 1e-6)[0])
 
 
 @pytest.mark.parametrize("op", ["add", "matmul", "copy"])
@@ -86,11 +86,11 @@ def test_a_failed_capture_leaves_no_recording_behind(api):
     x = torch.randn(2, 16).to(torch.bfloat16)
     w = torch.ones(16, dtype=torch.bfloat16)
     with pytest.raises(NotReplayable):
-        api.capture(lambda: kernels.rms_norm_bf16(x, w, 1e-6) * 2, api.pool())
-    replay, out = api.capture(lambda: kernels.rms_norm_bf16(x, w, 1e-6), api.pool())
+        api.capture(lambda: kernels.rms_norm(x, w, 1e-6) * 2, api.pool())
+    replay, out = api.capture(lambda: kernels.rms_norm(x, w, 1e-6), api.pool())
     x.mul_(3)
     replay()
-    assert torch.equal(out, kernels.rms_norm_bf16(x, w, 1e-6))
+    assert torch.equal(out, kernels.rms_norm(x, w, 1e-6))
 
 
 def test_arena_restarts_per_capture_and_aligns(api):
@@ -98,8 +98,8 @@ def test_arena_restarts_per_capture_and_aligns(api):
     w = torch.ones(64, dtype=torch.bfloat16)
 
     def forward():
-        a = kernels.rms_norm_bf16(x, w, 1e-6)
-        return a, kernels.rms_norm_bf16(a, w, 1e-6)
+        a = kernels.rms_norm(x, w, 1e-6)
+        return a, kernels.rms_norm(a, w, 1e-6)
 
     _, (a1, b1) = api.capture(forward, api.pool())
     _, (a2, b2) = api.capture(forward, api.pool())
@@ -132,13 +132,14 @@ def _bf16_graphs_reason() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("model", ["bfloat16", "quantized"])
+@pytest.mark.parametrize("model", ["bfloat16", "quantized", "quantized-float32"])
 @pytest.mark.parametrize("sizes", [[7], [5, 3], [1]])
 def test_graphs_give_the_eager_tokens_and_logprobs(model, sizes):
+    """bfloat16 (packed linears), and the GGUF file quantized with bfloat16 or float32 activations."""
     if model == "bfloat16" and _bf16_graphs_reason():
         pytest.skip(_bf16_graphs_reason())
-    kw = dict(COMMON, dtype="bfloat16", kv_cache_memory_bytes=32 << 20)
-    if model == "quantized":
+    kw = dict(COMMON, dtype="float32" if model.endswith("float32") else "bfloat16", kv_cache_memory_bytes=32 << 20)
+    if model.startswith("quantized"):
         kw["quantization"] = "gguf"
     graphs, eager = LLM(**kw), LLM(enforce_eager=True, **kw)
     ex = graphs.engine.runner.executor
@@ -164,15 +165,15 @@ def test_graphs_under_preemption_and_prefix_hits():
     assert graphs.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("how", ["enforce_eager", "env", "float32"])
+@pytest.mark.parametrize("how", ["enforce_eager", "env", "unfused"])
 def test_no_graphs_when_turned_off_or_not_replayable(monkeypatch, how):
-    kw = dict(COMMON, dtype="bfloat16", quantization="gguf", kv_cache_memory_bytes=16 << 20)
+    kw = dict(COMMON, dtype="float32", quantization="gguf", kv_cache_memory_bytes=16 << 20)
     if how == "enforce_eager":
         kw["enforce_eager"] = True
     elif how == "env":
         monkeypatch.setenv("POLYRUNNER_CPU_GRAPHS", "0")
     else:
-        kw["dtype"] = "float32"     # float32 norms run in torch: a step is not all C++ kernels
+        monkeypatch.setenv("POLYRUNNER_CPU_FUSE", "0")   # norms in torch: a step is not all C++ kernels
     llm = LLM(**kw)
     ex = llm.engine.runner.executor
     assert ex.graph_rows == 0 and ex.num_graphs() == 0

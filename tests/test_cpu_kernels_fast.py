@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from polyrunner.backends.cpu import kernels
-from tolerances import assert_close_ulp, assert_detects_errors, assert_linear_close, rms_norm_reference
+from tolerances import assert_close_ulp, assert_detects_errors, assert_linear_close, rms_norm_reference, unit_roundoff
 
 needs_amx = pytest.mark.skipif(not kernels.amx_available(), reason=f"no AMX linear: {kernels.amx_unavailable_reason()}")
 
@@ -88,16 +88,69 @@ def test_fused_rotary_is_exact(cpu_kernels, T: int, D: int) -> None:
     assert got_q.data_ptr() == q.data_ptr()
 
 
-def test_fused_rotary_keeps_float32_reference() -> None:
+@pytest.mark.parametrize("T", [1, 5, 130])
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_fused_rotary_float32_is_torchs_math(cpu_kernels, T: int, D: int) -> None:
+    """float32: x * cos + rotate_half(x) * sin within float32's roundings (two products and a sum)
+    of the float64 rotation, in place, as the module computes it up to those roundings."""
     from polyrunner.backends.cpu.fused_modules import FusedRotary
     from polyrunner.ops import RotaryEmbedding
-    rotary = RotaryEmbedding(64, 256, 10000.0, None)
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(3, 2, 64, generator=g), torch.randn(3, 1, 64, generator=g)
-    positions = torch.tensor([0, 7, 200])
-    ref = rotary(positions, q, k)
-    got = FusedRotary(rotary)(positions, q.clone(), k.clone())
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    rotary = RotaryEmbedding(D, 2048, 10000.0, None)
+    Hq, Hk = 4, 2
+    g = torch.Generator().manual_seed(T * 1000 + D)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g) * 3
+    q, k, _ = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.view(T, Hq, D), k.view(T, Hk, D)
+    positions = torch.randint(0, 2048, (T,), generator=g)
+    cos, sin = (rotary.cos[positions].double()[:, None], rotary.sin[positions].double()[:, None])
+    want, bound = [], []
+    for x in (q, k):
+        x = x.double()
+        half = torch.cat([-x[..., D // 2:], x[..., :D // 2]], dim=-1)
+        want.append(x * cos + half * sin)
+        bound.append((x * cos).abs() + (half * sin).abs())
+    module = rotary(positions, q.clone(), k.clone())
+    got = FusedRotary(rotary)(positions, q, k)
+    assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()
+    for y, m, w, b in zip(got, module, want, bound):
+        def check(out, w=w, b=b):
+            assert_close_ulp(out, w, torch.float32, ulps=1, abs_err=b * 2 * unit_roundoff(torch.float32))
+
+        check(m)
+        assert_detects_errors(check, y)
+
+
+@pytest.mark.parametrize("T", [1, 3, 200])
+@pytest.mark.parametrize("H", [576, 100])  # 100: the vector loop's scalar tail
+def test_fused_float32_norms_and_silu_mul(cpu_kernels, T: int, H: int) -> None:
+    """float32: the fused residual add is torch's bit for bit; the norm within float32's roundings of the
+    float64 RMSNorm of that sum; silu(gate) * up within exp's 2^-20 and four roundings of float64."""
+    from polyrunner.backends.cpu.fused_modules import FusedRMSNorm
+    from polyrunner.ops import RMSNorm
+    g = torch.Generator().manual_seed(T * 1000 + H)
+    norm = RMSNorm(H, 1e-5)
+    norm.weight.data = torch.rand(H, generator=g) + 0.5
+    x, residual = torch.randn(T, H, generator=g) * 4, torch.randn(T, H, generator=g)
+    out, res = FusedRMSNorm(norm).forward_add(x, residual)
+    assert torch.equal(res, x + residual)
+    ref, bound = rms_norm_reference(res, norm.weight, 1e-5, torch.float32)
+
+    def check(y):
+        assert_close_ulp(y, ref, torch.float32, ulps=1, abs_err=bound)
+
+    check(norm(res))                 # the module itself meets the bound
+    assert_detects_errors(check, out)
+    assert_detects_errors(check, FusedRMSNorm(norm)(res))
+    gate_up = torch.randn(T, 2 * H, generator=g) * 4
+    gate, up = gate_up.double().split(H, dim=-1)
+    want = gate * torch.sigmoid(gate) * up
+    h_bound = want.abs() * (2.0 ** -20 + 4 * unit_roundoff(torch.float32))
+
+    def check_h(h):
+        assert_close_ulp(h, want, torch.float32, ulps=1, abs_err=h_bound)
+
+    check_h(torch.nn.functional.silu(gate_up[:, :H]) * gate_up[:, H:])   # the module's own
+    assert_detects_errors(check_h, kernels.silu_mul(gate_up))
 
 
 @pytest.mark.parametrize("T", [1, 3, 200])
@@ -139,27 +192,28 @@ def test_decoder_layers_return_output_and_residual() -> None:
     assert torch.equal(out, norm(x + residual))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [7, 64, 300])
-def test_fused_elementwise_kernels_split_rows_on_the_pool(cpu_kernels, T: int) -> None:
+def test_fused_elementwise_kernels_split_rows_on_the_pool(cpu_kernels, T: int, dtype: torch.dtype) -> None:
     """RMSNorm, residual add + RMSNorm, SiLU * up and rotary split their rows between threads:
     on OpenMP's team (prefill steps) or on the kernel pool when torch has one thread (decode-sized
     steps, `thread_pool.h` `for_rows`). Rows are independent, so every split gives one thread's bits."""
     from polyrunner.ops import RotaryEmbedding
     g = torch.Generator().manual_seed(T)
     H, inter, Hq, Hk, D = 576, 1536, 9, 3, 64
-    x, res = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16), torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w = (torch.rand(H, generator=g) + 0.5).to(torch.bfloat16)
-    gate_up = (torch.randn(T, 2 * inter, generator=g) * 2).to(torch.bfloat16)
-    qk = torch.randn(T, Hq + Hk, D, generator=g).to(torch.bfloat16)
+    x, res = (torch.randn(T, H, generator=g) * 3).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.rand(H, generator=g) + 0.5).to(dtype)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 2).to(dtype)
+    qk = torch.randn(T, Hq + Hk, D, generator=g).to(dtype)
     positions = torch.randint(0, 2048, (T,), generator=g)
     rotary = RotaryEmbedding(D, 2048, 10000.0, None)
     cos, sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
 
     def run() -> list[torch.Tensor]:
         q, k = qk[:, :Hq].clone(), qk[:, Hq:].clone()
-        outs = [kernels.rms_norm_bf16(x, w, 1e-5), *kernels.add_rms_norm_bf16(x, res, w, 1e-5),
-                kernels.silu_mul_bf16(gate_up)]
-        kernels.rotary_bf16_(positions, q, k, cos, sin)
+        outs = [kernels.rms_norm(x, w, 1e-5), *kernels.add_rms_norm(x, res, w, 1e-5),
+                kernels.silu_mul(gate_up)]
+        kernels.rotary_(positions, q, k, cos, sin)
         return [*outs, q, k]
 
     saved = torch.get_num_threads()

@@ -149,15 +149,16 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias:
     assert_detects_errors(check, y)
 
 
-def rms_norm_reference(s: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 w * s / rms(s), the error a bfloat16 RMSNorm may make before its last rounding):
+def rms_norm_reference(s: torch.Tensor, weight: torch.Tensor, eps: float,
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 w * s / rms(s), the error an RMSNorm in `dtype` may make before its last rounding):
     Hugging Face's RMSNorm normalises in float32 (a sum of H squares, mean, + eps, sqrt,
-    reciprocal, product: within gamma(H + 6) relative), rounds the normalised value to bfloat16
-    (u = 2^-8 relative) and multiplies by the bfloat16 weight exactly (the product fits float32)
-    before rounding once more (check with `ulps=1`)."""
+    reciprocal, product: within gamma(H + 6) relative), rounds the normalised value to `dtype`
+    (bfloat16: u = 2^-8 relative) and multiplies by the weight (bfloat16: exactly, the product fits
+    float32) before rounding once more (check with `ulps=1`)."""
     s = s.detach().double()
     ref = weight.detach().double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
-    return ref, ref.abs() * (unit_roundoff(torch.bfloat16) + gamma(s.shape[-1] + 6))
+    return ref, ref.abs() * (unit_roundoff(dtype) + gamma(s.shape[-1] + 6))
 
 
 def log_softmax_reference(logits, acc_dtype: torch.dtype = torch.float32,

@@ -49,7 +49,7 @@ LINEAR = declare("POLYRUNNER_CPU_LINEAR", str, "auto",
 PACK = declare("POLYRUNNER_CPU_PACK", bool, True,
                "0: keep bfloat16 linears unpacked (no oneDNN weight packing)", section=_S)
 FUSE = declare("POLYRUNNER_CPU_FUSE", bool, True,
-               "0: no fused bfloat16 RMSNorm, rotary and SiLU-multiply kernels", section=_S)
+               "0: no fused RMSNorm, rotary and SiLU-multiply kernels (bfloat16 and float32)", section=_S)
 MOE = declare("POLYRUNNER_CPU_MOE", bool, True,
               "0: mixture-of-experts layers by the core's reference (a loop over experts in torch) instead of "
               "one C++ call per layer", section=_S)

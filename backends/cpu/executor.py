@@ -3,7 +3,7 @@
 - The model arrives with the CPU backend's op overrides applied by the core
   (`op_overrides.py`): bfloat16 "linear"s packed for the kernels measured fastest
   here (`packed_linear.py`), fused RMSNorm, rotary and `silu(gate) * up`
-  (`fused_modules.py`). The executor packs the LM head for the logits the same way
+  (`fused_modules.py`, bfloat16 and float32). The executor packs the LM head for the logits the same way
   and reads the final modules: which step sizes run whole on the pool, whether a
   decode step is all C++ kernels (then it is graph-captured).
 - Threads (`threads.py`): `POLYRUNNER_CPU_THREADS`, default "auto": one per
@@ -21,10 +21,11 @@
   helpers need.
 - Graphs (`graphs.py`, the core's `StaticGraphExecutor`: FULL_DECODE_ONLY, keyed
   by the padded batch size, vLLM's capture sizes up to `graph_rows`): a decode
-  step whose every op is a C++ kernel (fused bfloat16 modules, pool linears) is
-  recorded once and replayed by one C call, without the ~60 us of Python per
-  layer. Off with `enforce_eager`, `POLYRUNNER_CPU_GRAPHS=0`, float32 and
-  tensor parallelism (an all-reduce between the kernels); prefill and mixed
+  step whose every op is a C++ kernel (fused modules, pool linears: packed bfloat16
+  ones, or a GGUF file's quantized ones in either activation dtype) is recorded once
+  and replayed by one C call, without the ~60 us of Python per layer. Off with
+  `enforce_eager`, `POLYRUNNER_CPU_GRAPHS=0`, torch's linears (a dense float32 model)
+  and tensor parallelism (an all-reduce between the kernels); prefill and mixed
   steps run eagerly.
 """
 from __future__ import annotations
@@ -174,7 +175,7 @@ class CPUExecutor(StaticGraphExecutor):
         fused = any(isinstance(m, (FusedRMSNorm, FusedMLP, FusedRotary)) for m in model.modules())
         forward_rows = min(pool_step_rows(model), POOL_STEP_ROWS)
         self.pool_rows = min(forward_rows, pool_rows(self.packed_logits))   # with the LM head (rows = requests)
-        # graphs need every op of a decode step in a C++ kernel: fused bfloat16 modules, pool linears,
+        # graphs need every op of a decode step in a C++ kernel: fused modules, pool linears,
         # no all-reduce between them (tensor parallelism)
         graphs = (lib is not None and fused and not config.runner.enforce_eager
                   and config.parallel.tensor_parallel_size == 1

@@ -19,13 +19,13 @@ int pr_dpbf16_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, u
                           int64_t M, int64_t N, int64_t K);
 int pr_amx_linear_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* wp, uint16_t* y, int64_t y_ts,
                        int64_t M, int64_t N, int64_t K);
-void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
-                      int64_t T, int64_t H, float eps);
-void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* r_out,
-                          uint16_t* out, int64_t T, int64_t H, float eps);
-void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o_ts, int64_t T, int64_t I);
-void pr_rotary_bf16(uint16_t* q, int64_t q_ts, int64_t Hq, uint16_t* k, int64_t k_ts, int64_t Hk,
-                    const int64_t* pos, const float* cos, const float* sin, int64_t T, int64_t D);
+int pr_rms_norm(int dtype, const void* x, int64_t x_ts, const void* w, void* out, int64_t o_ts, int64_t T, int64_t H,
+                float eps);
+int pr_add_rms_norm(int dtype, const void* x, const void* res, const void* w, void* r_out, void* out, int64_t T,
+                    int64_t H, float eps);
+int pr_silu_mul(int dtype, const void* gu, int64_t g_ts, void* out, int64_t o_ts, int64_t T, int64_t I);
+int pr_rotary(int dtype, void* q, int64_t q_ts, int64_t Hq, void* k, int64_t k_ts, int64_t Hk, const int64_t* pos,
+              const float* cos, const float* sin, int64_t T, int64_t D);
 int pr_paged_attention(int dtype, void* q, int64_t q_ts, void* k, int64_t k_ts, void* v, int64_t v_ts,
                        void* cache, int64_t NB, int64_t bs, int64_t Hq, int64_t Hkv, int64_t D,
                        const int64_t* slots, int64_t num_write, const int32_t* qsl, const int32_t* seq_lens,
@@ -61,8 +61,8 @@ enum Kernel {  // kernel_calls.REPLAYABLE, in order
   PAGED_ATTENTION, GATHER_ROWS, MOE, AVX512_LINEAR, LORA, LORA_EMBED, QUANT_ROWS, MOE_QUANT, NUM_KERNELS
 };
 const char* const NAMES[] = {"", "pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16",
-                             "pr_amx_linear_bf16", "pr_rms_norm_bf16", "pr_add_rms_norm_bf16",
-                             "pr_silu_mul_bf16", "pr_rotary_bf16", "pr_paged_attention", "pr_gather_rows", "pr_moe",
+                             "pr_amx_linear_bf16", "pr_rms_norm", "pr_add_rms_norm",
+                             "pr_silu_mul", "pr_rotary", "pr_paged_attention", "pr_gather_rows", "pr_moe",
                              "pr_avx512_linear_bf16", "pr_lora", "pr_lora_embed", "pr_quant_rows", "pr_moe_quant"};
 constexpr int64_t WORDS = 27;
 
@@ -88,20 +88,16 @@ int run(const int64_t* r) {
       return (r[0] == DPBF16_LINEAR ? pr_dpbf16_linear_bf16 : pr_amx_linear_bf16)(
           p<const uint16_t>(a[0]), a[1], p<const uint16_t>(a[2]), p<uint16_t>(a[3]), a[4], a[5], a[6], a[7]);
     case RMS_NORM:
-      pr_rms_norm_bf16(p<const uint16_t>(a[0]), a[1], p<const uint16_t>(a[2]), p<uint16_t>(a[3]), a[4], a[5],
-                       a[6], f(a[7]));
-      return 0;
+      return pr_rms_norm(int(a[0]), p<const void>(a[1]), a[2], p<const void>(a[3]), p<void>(a[4]), a[5], a[6], a[7],
+                         f(a[8]));
     case ADD_RMS_NORM:
-      pr_add_rms_norm_bf16(p<const uint16_t>(a[0]), p<const uint16_t>(a[1]), p<const uint16_t>(a[2]),
-                           p<uint16_t>(a[3]), p<uint16_t>(a[4]), a[5], a[6], f(a[7]));
-      return 0;
+      return pr_add_rms_norm(int(a[0]), p<const void>(a[1]), p<const void>(a[2]), p<const void>(a[3]),
+                             p<void>(a[4]), p<void>(a[5]), a[6], a[7], f(a[8]));
     case SILU_MUL:
-      pr_silu_mul_bf16(p<const uint16_t>(a[0]), a[1], p<uint16_t>(a[2]), a[3], a[4], a[5]);
-      return 0;
+      return pr_silu_mul(int(a[0]), p<const void>(a[1]), a[2], p<void>(a[3]), a[4], a[5], a[6]);
     case ROTARY:
-      pr_rotary_bf16(p<uint16_t>(a[0]), a[1], a[2], p<uint16_t>(a[3]), a[4], a[5], p<const int64_t>(a[6]),
-                     p<const float>(a[7]), p<const float>(a[8]), a[9], a[10]);
-      return 0;
+      return pr_rotary(int(a[0]), p<void>(a[1]), a[2], a[3], p<void>(a[4]), a[5], a[6], p<const int64_t>(a[7]),
+                       p<const float>(a[8]), p<const float>(a[9]), a[10], a[11]);
     case PAGED_ATTENTION:
       return pr_paged_attention(int(a[0]), p<void>(a[1]), a[2], p<void>(a[3]), a[4], p<void>(a[5]), a[6],
                                 p<void>(a[7]), a[8], a[9], a[10], a[11], a[12], p<const int64_t>(a[13]), a[14],

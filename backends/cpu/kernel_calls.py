@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 # The kernels `pr_replay` can call; the index + 1 is the id in graph_replay.cpp's `Kernel` enum.
 REPLAYABLE = ("pr_quant_linear", "pr_quant_linear8", "pr_dpbf16_linear_bf16", "pr_amx_linear_bf16",
-              "pr_rms_norm_bf16", "pr_add_rms_norm_bf16", "pr_silu_mul_bf16", "pr_rotary_bf16",
+              "pr_rms_norm", "pr_add_rms_norm", "pr_silu_mul", "pr_rotary",
               "pr_paged_attention", "pr_gather_rows", "pr_moe", "pr_avx512_linear_bf16", "pr_lora",
               "pr_lora_embed", "pr_quant_rows", "pr_moe_quant")
 KERNEL_IDS = {name: i + 1 for i, name in enumerate(REPLAYABLE)}

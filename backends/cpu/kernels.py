@@ -60,10 +60,12 @@ SOURCES += [Path(__file__).with_name("prefill_attention.cpp")]  # bfloat16 prefi
 SOURCES += [Path(__file__).with_name("moe_experts.cpp")]  # the "moe" role's one call per layer (moe_module.py)
 SOURCES += [Path(__file__).with_name("lora_kernel.cpp")]  # the "lora" role's one call per linear (lora_module.py)
 SOURCES += [Path(__file__).with_name("linear_avx512.cpp")]  # AVX-512F bfloat16 linear (no AVX512_BF16)
+SOURCES += [Path(__file__).with_name("fused_elementwise.cpp")]  # fused norms, SiLU * up, rotary (fused_modules.py)
 HEADERS = [Path(__file__).with_name("thread_pool.h"),   # included by the sources (part of the build key)
            Path(__file__).with_name("simd_exp.h"), Path(__file__).with_name("amx_tiles.h"),
            Path(__file__).with_name("widen_dot.h"), Path(__file__).with_name("weight_prefetch.h"),
-           Path(__file__).with_name("micro_pick.h"), Path(__file__).with_name("quant_common.h")]
+           Path(__file__).with_name("micro_pick.h"), Path(__file__).with_name("quant_common.h"),
+           Path(__file__).with_name("bfloat16.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-freciprocal-math"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -197,14 +199,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pr_linear_prefetch.argtypes = []
     lib.pr_softcap_scores.restype = ctypes.c_int
     lib.pr_softcap_scores.argtypes = [ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
-    lib.pr_rms_norm_bf16.restype = None
-    lib.pr_rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float]
-    lib.pr_add_rms_norm_bf16.restype = None
-    lib.pr_add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    lib.pr_silu_mul_bf16.restype = None
-    lib.pr_silu_mul_bf16.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.pr_rotary_bf16.restype = None
-    lib.pr_rotary_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64]
+    c_int, c_float = ctypes.c_int, ctypes.c_float
+    for name, args in (("pr_rms_norm", [c_int, ptr, i64, ptr, ptr, i64, i64, i64, c_float]),
+                       ("pr_add_rms_norm", [c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, c_float]),
+                       ("pr_silu_mul", [c_int, ptr, i64, ptr, i64, i64, i64]),
+                       ("pr_rotary", [c_int, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64])):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = c_int, args
     lib.pr_amx_init.restype = ctypes.c_int
     lib.pr_amx_pack_bf16.restype = None
     lib.pr_amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
@@ -369,39 +369,39 @@ def prefill_attention_amx_reason() -> str | None:
     return None
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face RMSNorm of a 2-D bfloat16 `x` (unit stride on the last dim)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face RMSNorm of a 2-D float32 or bfloat16 `x` (unit stride on the last dim; `weight` in its dtype)."""
     T, H = x.shape
     out = torch.empty((T, H), dtype=x.dtype)
-    call(_lib.pr_rms_norm_bf16, x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), T, H,
-         eps)
+    call(_lib.pr_rms_norm, DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+         out.stride(0), T, H, eps)
     return out
 
 
-def add_rms_norm_bf16(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(x + residual), x + residual)` for contiguous 2-D bfloat16 x and residual."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)` for contiguous 2-D x and residual of one dtype (`rms_norm`'s)."""
     T, H = x.shape
     out, r = torch.empty((T, H), dtype=x.dtype), torch.empty((T, H), dtype=x.dtype)
-    call(_lib.pr_add_rms_norm_bf16, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), r.data_ptr(),
+    call(_lib.pr_add_rms_norm, DTYPES[x.dtype], x.data_ptr(), residual.data_ptr(), weight.data_ptr(), r.data_ptr(),
          out.data_ptr(), T, H, eps)
     return out, r
 
 
-def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for the two halves of a 2-D bfloat16 `gate_up` (unit stride on the last dim)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the two halves of a 2-D float32 or bfloat16 `gate_up` (unit stride on the last dim)."""
     T, I2 = gate_up.shape
     out = torch.empty((T, I2 // 2), dtype=gate_up.dtype)
-    call(_lib.pr_silu_mul_bf16, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), T, I2 // 2)
+    call(_lib.pr_silu_mul, DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
+         out.stride(0), T, I2 // 2)
     return out
 
 
-def rotary_bf16_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate bfloat16 q `[T, Hq, D]` and k `[T, Hkv, D]` in place at int64 `positions`
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` (float32 or bfloat16, one dtype) in place at int64 `positions`
     (Hugging Face roundings); cos/sin: contiguous float32 `[P, D]`, D <= 512 and even."""
     T, Hq, D = q.shape
-    call(_lib.pr_rotary_bf16, q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1],
+    call(_lib.pr_rotary, DTYPES[q.dtype], q.data_ptr(), q.stride(0), Hq, k.data_ptr(), k.stride(0), k.shape[1],
          positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, D)
 
 

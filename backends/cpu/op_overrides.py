@@ -1,15 +1,17 @@
-"""The CPU backend's op overrides (`Backend.op_overrides`): bfloat16 only, the core applies them.
+"""The CPU backend's op overrides (`Backend.op_overrides`), which the core applies.
 
-- "linear": `LinearPacker`, a bfloat16 `nn.Linear` -> `PackedLinear` (`packed_linear.py`), where
-  oneDNN packs bfloat16 (`POLYRUNNER_CPU_PACK`);
-- "rms_norm" (bfloat16 weight), "rotary", "gated_mlp": the fused C++ modules
-  (`fused_modules.py`), with the kernel library (`POLYRUNNER_CPU_FUSE`);
-- "moe": `MoEOverride`, the experts as one C++ call per layer (`moe_module.py`), with the kernel library
-  (`POLYRUNNER_CPU_MOE`);
-- "lora" (float32 too, only with LoRA enabled): `LoRAOverride`, the adapters' updates as one C++ call per
+- "linear" (bfloat16): `LinearPacker`, a bfloat16 `nn.Linear` -> `PackedLinear` (`packed_linear.py`),
+  where oneDNN packs bfloat16 (`POLYRUNNER_CPU_PACK`);
+- "rms_norm", "rotary", "gated_mlp" (bfloat16 and float32): the fused C++ modules
+  (`fused_modules.py`), with the kernel library (`POLYRUNNER_CPU_FUSE`); with quantized linears
+  (`quant_linear.py`) they make a float32 GGUF model's decode step all C++ kernels, so it is
+  graph-captured (`executor.py`);
+- "moe" (bfloat16): `MoEOverride`, the experts as one C++ call per layer (`moe_module.py`), with the
+  kernel library (`POLYRUNNER_CPU_MOE`);
+- "lora" (only with LoRA enabled): `LoRAOverride`, the adapters' updates as one C++ call per
   LoRA linear (`lora_module.py`), with the kernel library.
 
-A float32 or float16 model otherwise keeps the core's modules.
+A float16 model keeps the core's modules.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from polyrunner.backends.cpu import envs, kernels, threads
-from polyrunner.backends.cpu.fused_modules import FusedMLP, FusedRMSNorm, FusedRotary
+from polyrunner.backends.cpu.fused_modules import FUSED_DTYPES, FusedMLP, FusedRMSNorm, FusedRotary
 from polyrunner.backends.cpu.host_memory import keep_freed_memory
 from polyrunner.backends.cpu.lora_module import lora_overrides
 from polyrunner.backends.cpu.moe_module import MoEOverride
@@ -74,20 +76,18 @@ def _shape(linear: nn.Module) -> Shape:
 
 
 def fused_rms_norm(norm: nn.Module) -> nn.Module:
-    """The "rms_norm" factory: `FusedRMSNorm` for a bfloat16 weight, else the norm itself."""
-    return FusedRMSNorm(norm) if norm.weight.dtype == torch.bfloat16 else norm
+    """The "rms_norm" factory: `FusedRMSNorm` for a bfloat16 or float32 weight, else the norm itself."""
+    return FusedRMSNorm(norm) if norm.weight.dtype in FUSED_DTYPES else norm
 
 
 def cpu_op_overrides(config: EngineConfig, dtype: torch.dtype) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """The factories for a model in `dtype` under `config` (see the module docstring)."""
-    if dtype != torch.bfloat16:
-        return dict(lora_overrides(config, dtype))
     overrides: dict[str, Callable[[nn.Module], nn.Module]] = dict(lora_overrides(config, dtype))
     if packing_supported(dtype):
         overrides["linear"] = LinearPacker(max(64, min(config.scheduler.max_num_batched_tokens, 2048)),
                                            graph_token_sizes(config))
-    if envs.FUSE.get() and kernels.paged_attention_kernel() is not None:
+    if dtype in FUSED_DTYPES and envs.FUSE.get() and kernels.paged_attention_kernel() is not None:
         overrides.update(rms_norm=fused_rms_norm, rotary=FusedRotary, gated_mlp=FusedMLP)
-    if envs.MOE.get() and kernels.paged_attention_kernel() is not None:
+    if dtype == torch.bfloat16 and envs.MOE.get() and kernels.paged_attention_kernel() is not None:
         overrides["moe"] = MoEOverride(max(64, config.scheduler.max_num_batched_tokens))
     return overrides

@@ -28,34 +28,11 @@
 #include <utility>
 #include <vector>
 
-// PR_BF16_DOT: the AVX-512 (F + BF16) paths. Without it (another CPU, or built with
-// -DPR_PORTABLE, as the tests do to run the fallback on every CPU) every op runs
-// its plain loops, which the compiler vectorises for the CPU it targets.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(PR_PORTABLE)
-#include <immintrin.h>
-#define PR_BF16_DOT 1
-#endif
-
-#include "thread_pool.h"
+#include "bfloat16.h"
 #include "simd_exp.h"
+#include "thread_pool.h"
 
 namespace {
-
-inline float ld(float x) { return x; }
-inline float ld(uint16_t x) {  // bfloat16 bits -> float
-  uint32_t u = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void st(float* p, float f) { *p = f; }
-inline void st(uint16_t* p, float f) {  // float -> bfloat16, round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) { *p = uint16_t((u >> 16) | 0x40); return; }  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = uint16_t(u >> 16);
-}
 
 constexpr int64_t QT = 16;  // queries per tile
 
@@ -63,28 +40,6 @@ constexpr int64_t QT = 16;  // queries per tile
 // decode of 64 requests ran ~1.5x faster so, design-measurements.md). Chosen by timing both on the
 // machine (`decode_prefetch.py`), set with pr_set_decode_prefetch; read once per block.
 std::atomic<int> g_prefetch_l2{0};
-
-// exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into
-// 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative error ~1e-8).
-// Branch-free, so the compiler vectorises the loops that call it.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float t = x * 1.4426950408889634f;
-  const float n = __builtin_rintf(t);
-  const float f = t - n;
-  float p = 1.5403530393381608e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
-  uint32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += uint32_t(int32_t(n)) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
 
 // Attention logit soft cap (Gemma 2): cap * tanh(s / cap) on n scores in place (cap > 0). tanh as
 // simd_exp.h's tanh16, branch-free so the loop vectorises: odd Taylor polynomial below |x| = 0.3,
@@ -730,146 +685,5 @@ int pr_simd_bf16() {
 #else
   return 0;
 #endif
-}
-}
-
-// ---- fused elementwise ops for bfloat16 models (exactly Hugging Face's roundings) ----
-namespace {
-inline float rnd(float f) {  // round to bfloat16 and back
-  uint16_t b;
-  st(&b, f);
-  return ld(b);
-}
-#ifdef PR_BF16_DOT
-// 16 bfloat16 <-> 16 floats; rnd16 rounds to bfloat16 (nearest even) and back.
-inline __m512 ld16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline void st16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
-inline __m512 rnd16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
-}
-#endif
-
-// o = w * bf16(x * rsqrt(mean(x^2) + eps)) for one row of H bfloat16 (Hugging Face's RMSNorm).
-inline void rms_norm_row(const uint16_t* x, const uint16_t* w, uint16_t* o, int64_t H, float eps) {
-#ifdef PR_BF16_DOT
-  if (H % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < H; d += 16) {
-      const __m512 v = ld16(x + d);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(H) + eps));
-    for (int64_t d = 0; d < H; d += 16) st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(x + d), r))));
-    return;
-  }
-#endif
-  float ss = 0.f;
-  for (int64_t d = 0; d < H; ++d) ss += ld(x[d]) * ld(x[d]);
-  const float r = 1.f / std::sqrt(ss / float(H) + eps);
-  for (int64_t d = 0; d < H; ++d) st(o + d, ld(w[d]) * rnd(ld(x[d]) * r));
-}
-}  // namespace
-
-extern "C" {
-
-// out[t] = RMSNorm(x[t]), x/out rows of H bfloat16 (row strides given).
-void pr_rms_norm_bf16(const uint16_t* x, int64_t x_ts, const uint16_t* w, uint16_t* out, int64_t o_ts,
-                      int64_t T, int64_t H, float eps) {
-  pr::for_rows(T, T * H >= 16384, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) rms_norm_row(x + t * x_ts, w, out + t * o_ts, H, eps);
-  });
-}
-
-// r[t] = bf16(x[t] + res[t]); out[t] = RMSNorm(r[t]) (rows of H, all row-contiguous).
-void pr_add_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* r_out,
-                          uint16_t* out, int64_t T, int64_t H, float eps) {
-  pr::for_rows(T, T * H >= 16384, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint16_t* xr = x + t * H;
-      const uint16_t* rr = res + t * H;
-      uint16_t* ro = r_out + t * H;
-      int64_t d = 0;
-#ifdef PR_BF16_DOT
-      for (; d + 16 <= H; d += 16) st16(ro + d, _mm512_add_ps(ld16(xr + d), ld16(rr + d)));
-#endif
-      for (; d < H; ++d) st(ro + d, ld(xr[d]) + ld(rr[d]));
-      rms_norm_row(ro, w, out + t * H, H, eps);  // the row is still in L1
-    }
-  });
-}
-
-// out[t] = bf16(silu(gate[t])) * up[t] where gate/up are the halves of gu[t] (2 * I wide).
-void pr_silu_mul_bf16(const uint16_t* gu, int64_t g_ts, uint16_t* out, int64_t o_ts, int64_t T, int64_t I) {
-  pr::for_rows(T, T * I >= 16384, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint16_t* g = gu + t * g_ts;
-      const uint16_t* u = g + I;
-      uint16_t* o = out + t * o_ts;
-      int64_t d0 = 0;
-#ifdef PR_BF16_DOT
-      for (; d0 + 16 <= I; d0 += 16) {  // same math as the scalar loop, 16 lanes at a time
-        const __m512 a = ld16(g + d0);
-        const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(88.f)));
-        const __m512 sl = rnd16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        st16(o + d0, _mm512_mul_ps(sl, ld16(u + d0)));
-      }
-#endif
-      for (int64_t d = d0; d < I; ++d) {
-        const float a = ld(g[d]);
-        st(o + d, rnd(a / (1.f + fast_exp(-a))) * ld(u[d]));
-      }
-    }
-  });
-}
-}
-
-// ---- rotary embedding in place (Hugging Face's bfloat16 roundings) ----
-// x[t, h] (token stride x_ts, head stride D) <- x * bf16(cos[pos[t]]) + rotate_half(x) * bf16(sin[pos[t]]),
-// each product and the sum rounded to bfloat16 as torch does; cos/sin: float32 [P, D].
-extern "C" {
-void pr_rotary_bf16(uint16_t* q, int64_t q_ts, int64_t Hq, uint16_t* k, int64_t k_ts, int64_t Hk,
-                    const int64_t* pos, const float* cos, const float* sin, int64_t T, int64_t D) {
-  const int64_t half = D / 2;
-  pr::for_rows(T, T * (Hq + Hk) * D >= 16384, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* c = cos + pos[t] * D;
-      const float* s = sin + pos[t] * D;
-      alignas(64) float cb[512], sb[512];
-      int64_t e0 = 0;
-#ifdef PR_BF16_DOT
-      for (; e0 + 16 <= D; e0 += 16) {
-        _mm512_store_ps(cb + e0, rnd16(_mm512_loadu_ps(c + e0)));
-        _mm512_store_ps(sb + e0, rnd16(_mm512_loadu_ps(s + e0)));
-      }
-#endif
-      for (int64_t d = e0; d < D; ++d) { cb[d] = rnd(c[d]); sb[d] = rnd(s[d]); }
-      for (int which = 0; which < 2; ++which) {
-        uint16_t* base = which == 0 ? q + t * q_ts : k + t * k_ts;
-        const int64_t H = which == 0 ? Hq : Hk;
-        for (int64_t h = 0; h < H; ++h) {
-          uint16_t* x = base + h * D;
-          int64_t d0 = 0;
-#ifdef PR_BF16_DOT
-          for (; d0 + 16 <= half; d0 += 16) {  // the scalar loop's math, 16 lanes at a time
-            const __m512 a = ld16(x + d0), b = ld16(x + d0 + half);
-            const __m512 c1 = _mm512_loadu_ps(cb + d0), s1 = _mm512_loadu_ps(sb + d0);
-            const __m512 c2 = _mm512_loadu_ps(cb + d0 + half), s2 = _mm512_loadu_ps(sb + d0 + half);
-            st16(x + d0, _mm512_sub_ps(rnd16(_mm512_mul_ps(a, c1)), rnd16(_mm512_mul_ps(b, s1))));
-            st16(x + d0 + half, _mm512_add_ps(rnd16(_mm512_mul_ps(b, c2)), rnd16(_mm512_mul_ps(a, s2))));
-          }
-#endif
-          for (int64_t d = d0; d < half; ++d) {
-            const float a = ld(x[d]), b = ld(x[d + half]);
-            st(x + d, rnd(a * cb[d]) + rnd(-b * sb[d]));
-            st(x + d + half, rnd(b * cb[d + half]) + rnd(a * sb[d + half]));
-          }
-        }
-      }
-    }
-  });
 }
 }

@@ -1,11 +1,39 @@
+// fast_exp: exp of one float, branch-free so that the loops calling it vectorise (the softmax
+// of the attention kernels, silu in fused_elementwise.cpp): 2^(x log2 e) split into 2^n * 2^f,
+// f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative error ~1e-8); x clamped to [-87, 88].
 // exp16: exp of 16 floats at once (AVX-512), for softmax after max subtraction (x <= 0):
 // 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative
-// error ~1e-8), the same polynomial as paged_attention.cpp's scalar fast_exp.
+// error ~1e-8), fast_exp's polynomial.
 // Shared by the attention kernels (paged_attention.cpp, prefill_attention.cpp).
 // tanh16 / softcap16: the attention logit soft cap, cap * tanh(s / cap), on 16 scores.
 // exp2_16: 2^t of 16 floats (t <= 0, -inf gives 0) for probabilities rounded to bfloat16 next:
 // degree-5 Taylor for 2^f (relative error ~2.4e-6) and `vscalefps` for 2^n, 9 instructions.
 #pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float t = x * 1.4426950408889634f;
+  const float n = __builtin_rintf(t);
+  const float f = t - n;
+  float p = 1.5403530393381608e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.f;
+  uint32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += uint32_t(int32_t(n)) << 23;
+  std::memcpy(&p, &bits, 4);
+  return p;
+}
+}  // namespace
 
 #if defined(__AVX512F__) && !defined(PR_PORTABLE)
 #include <immintrin.h>
