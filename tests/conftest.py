@@ -94,6 +94,28 @@ def pool_threads(request, cpu_kernels):
     cpu_kernels.pr_pool_start(1, None, 0, 200)
 
 
+@pytest.fixture(params=["simd", "portable"])
+def decode_build(request):
+    """The decode attention's builds: "simd", the native build where it has SIMD paths of its own
+    (AVX-512 BF16, or the float32 AVX2 path an AVX2-only CPU runs), and "portable" (plain loops)."""
+    from polyrunner.backends.cpu import kernels
+    lib = kernels.load_library("native" if request.param == "simd" else "portable")
+    if lib is None:
+        pytest.skip("no C++ compiler: the CPU kernel library is not built")
+    if request.param == "simd" and not (kernels.simd_bf16(lib) or kernels.simd_f32(lib)):
+        pytest.skip("the native kernel build has no SIMD decode paths on this CPU")
+    with kernels.use_kernels("native" if request.param == "simd" else "portable") as active:
+        yield active
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
+def decode_threads(request, decode_build):
+    """`pool_threads` for `decode_build`."""
+    assert decode_build.pr_pool_start(request.param, None, 0, 200) == request.param - 1
+    yield request.param
+    decode_build.pr_pool_start(1, None, 0, 200)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     return model_cache(tmp_path_factory, build_tiny_model)

@@ -59,8 +59,9 @@ def test_the_cpu_backends_overrides_pass():
     report = run_conformance("cpu", groups=["ops"])
     assert report.passed, report.failures()
     note = report.get(CHECK).detail
-    # float32: only the native LoRA ops; bfloat16: every role; float16: none
-    assert note.startswith("float32: lora 9/9, lora_embedding 3/3 cases replaced"), note
+    # float32: the fused norms, rotary and MLP and the native LoRA ops; bfloat16: every role; float16: none
+    assert note.startswith("float32: rms_norm 5/5, rotary 2/2, gated_mlp 3/3, lora 9/9, lora_embedding 3/3 cases "
+                           "replaced"), note
     assert "no op overrides for float16" in note, note
     if packing_supported(torch.bfloat16):
         assert "bfloat16: linear 6/6" in note and "lora 9/9" in note.split("bfloat16:")[1], note

@@ -92,7 +92,7 @@ def _decode_batch(rng, ctx: list[int], block_size: int, num_blocks: int, pad_req
 @pytest.mark.parametrize("ctx", [[700], [1, 300], [17, 500, 64], [5, 9, 200, 33, 1000, 2, 128, 77, 64]])
 @pytest.mark.parametrize("heads,kv_heads,head,block_size,window",
                          [(9, 3, 64, 16, None), (8, 2, 128, 16, 100), (4, 4, 96, 32, None), (6, 1, 80, 16, 300)])
-def test_decode_attention_matches_reference(cpu_kernels, pool_threads, dtype, ctx, heads, kv_heads, head,
+def test_decode_attention_matches_reference(decode_build, decode_threads, dtype, ctx, heads, kv_heads, head,
                                             block_size, window):
     """Every request one query, contexts long enough to be split across threads
     (fewer (request, KV head) pairs than threads) and merged."""
@@ -109,15 +109,14 @@ def test_decode_attention_matches_reference(cpu_kernels, pool_threads, dtype, ct
     cache_ref = cache.clone()
     reference_paged_attention(q, k, v, cache_ref, meta, spec)   # the cache writes to compare
     expected, bound = attention_reference(q, k, v, cache, meta, spec)   # float64; fp32 math, one rounding
-    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
-        got = cpu_paged_attention(q, k, v, cache, meta, spec)
+    got = cpu_paged_attention(q, k, v, cache, meta, spec)
     assert_detects_errors(lambda out: assert_close_ulp(out, expected, dtype, ulps=1, abs_err=bound), got)
     assert torch.equal(cache, cache_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scale", [0.125, 1.0])
-def test_decode_attention_follows_growing_scores(cpu_kernels, pool_threads, dtype, scale):
+def test_decode_attention_follows_growing_scores(decode_build, decode_threads, dtype, scale):
     """Scores that keep growing along the context (keys scaled up with their position) move the
     softmax maximum again and again, by less and by more than the kernel's rescale threshold."""
     from polyrunner.backends.cpu.attention import cpu_paged_attention
@@ -136,24 +135,23 @@ def test_decode_attention_follows_growing_scores(cpu_kernels, pool_threads, dtyp
     cache = cache.to(dtype)
     spec = LayerSpec(9, 3, 64, scale, None)
     expected, bound = attention_reference(q, k, v, cache.clone(), meta, spec)
-    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
-        got = cpu_paged_attention(q, k, v, cache, meta, spec)
+    got = cpu_paged_attention(q, k, v, cache, meta, spec)
     assert_detects_errors(lambda out: assert_close_ulp(out, expected, dtype, ulps=1, abs_err=bound), got)
 
 
-def test_decode_attention_skips_padded_requests(cpu_kernels, pool_threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_skips_padded_requests(decode_build, decode_threads, dtype):
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)
     meta = _decode_batch(rng, [300, 40], 16, 40, pad_reqs=3)
-    q = torch.randn(2, 9, 64, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(2, 3, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 3, 64, generator=g).to(dtype) for _ in range(2))
     spec = LayerSpec(9, 3, 64, 0.125, None)
-    cache = torch.randn(2, 40, 16, 3, 64, generator=g).to(torch.bfloat16)
+    cache = torch.randn(2, 40, 16, 3, 64, generator=g).to(dtype)
     expected, bound = attention_reference(q, k, v, cache, meta, spec)
-    out = torch.zeros(4, 9, 64, dtype=torch.bfloat16)
-    with kernels.use_kernels("native" if kernels.simd_bf16(cpu_kernels) else "portable"):
-        kernels.paged_attention_op(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-                                   meta.block_tables, out, spec.scale, 0)
+    out = torch.zeros(4, 9, 64, dtype=dtype)
+    kernels.paged_attention_op(q, k, v, cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                               meta.block_tables, out, spec.scale, 0)
     assert_close_ulp(out[:2], expected, ulps=1, abs_err=bound)
     assert torch.all(out[2:] == 0)
 

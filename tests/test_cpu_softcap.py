@@ -1,6 +1,6 @@
 """Attention logit soft-capping (`LayerSpec.logits_soft_cap`, Gemma 2) in the CPU backend's C++
 kernels, against the float64 direct formula (`softcap_reference.softcap_attention`), on each
-kernel build (`cpu_kernels`: the AVX-512 BF16 paths where the CPU has them, the portable loops):
+kernel build (`cpu_kernels`, the decodes `decode_build`: the SIMD paths where built, the portable loops):
 decodes (whole and split contexts), prefills (fresh and after a cached prefix; the bfloat16 prefill
 kernel's two variants where built, else the general loops, never SDPA, which cannot cap), the
 `torch.compile` custom op; soft cap on and off, sliding window on and off, float32 and bfloat16."""
@@ -71,21 +71,13 @@ def _check_against_reference(got, q, k, v, cache, meta, spec, dtype) -> None:
             check(uncapped)
 
 
-@pytest.fixture
-def two_threads(cpu_kernels):
-    """The decode kernels' pool with 2 threads: single long decodes are split and merged."""
-    assert cpu_kernels.pr_pool_start(2, None, 0, 200) == 1
-    yield
-    cpu_kernels.pr_pool_start(1, None, 0, 200)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("cap", [None, CAP], ids=["nocap", "cap"])
 @pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
 @pytest.mark.parametrize("heads,kv_heads,head,block_size",
                          [(8, 2, 64, 16), (4, 4, 128, 32), (6, 3, 80, 16)], ids=["d64", "d128bs32", "d80"])
-def test_softcap_mixed_batch_matches_formula(cpu_kernels, two_threads, dtype, cap, window, heads, kv_heads, head,
-                                             block_size):
+def test_softcap_mixed_batch_matches_formula(decode_build, decode_threads, dtype, cap, window, heads, kv_heads,
+                                             head, block_size):
     """Decodes (one long enough to split) then prefills (fresh and chunked) in one step."""
     rng = np.random.default_rng(head + block_size)
     meta = _batch(rng, [300, 17, 70], [(40, 0), (23, 50)], block_size)

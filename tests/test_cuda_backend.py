@@ -273,6 +273,11 @@ class SimGraphBackend(CPUBackend):
 
     attention = staticmethod(sdpa_paged_attention)
 
+    def op_overrides(self, dtype):
+        """None: the CPU's fused modules call C++ kernels that a simulated graph (a tape of torch ops and
+        Triton launches) cannot record."""
+        return {}
+
     def make_executor(self, model):
         config = self.config
         return StaticGraphExecutor(model, SimGraphAPI(self.fail), max_num_seqs=config.scheduler.max_num_seqs,

@@ -191,6 +191,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64,
                    ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float]
     lib.pr_simd_bf16.restype = ctypes.c_int
+    lib.pr_simd_f32.restype = ctypes.c_int
     lib.pr_set_decode_prefetch.restype = ctypes.c_int
     lib.pr_set_decode_prefetch.argtypes = [ctypes.c_int]
     lib.pr_set_linear_prefetch.restype = ctypes.c_int
@@ -310,6 +311,12 @@ def simd_bf16(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library (default: the backend's) has the AVX-512 BF16 paths."""
     lib = lib if lib is not None else paged_attention_kernel()
     return lib is not None and lib.pr_simd_bf16() == 1
+
+
+def simd_f32(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library (default: the backend's) has the float32 decode attention's AVX2 path."""
+    lib = lib if lib is not None else paged_attention_kernel()
+    return lib is not None and lib.pr_simd_f32() == 1
 
 
 def kernel_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -32,6 +32,12 @@
 #include "simd_exp.h"
 #include "thread_pool.h"
 
+// PR_F32_AVX2: the float32 decode's AVX2 + FMA path (decode_block_f32); not in the portable build.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+#define PR_F32_AVX2 1
+#endif
+
 namespace {
 
 constexpr int64_t QT = 16;  // queries per tile
@@ -281,10 +287,11 @@ void attend(const T* q, int64_t q_ts, const T* cache, int64_t NB, int64_t bs, in
 // overlapping; address order beat a row of each head per key (both measured:
 // benchmarks/results/design-measurements.md). With at least
 // twice as many requests as threads an item is a request (all heads: each block's
-// rows are read whole); otherwise an item is one (request, KV head) pair, and when
-// those are fewer than twice the threads long contexts are split into ranges of
-// whole blocks: each split leaves (max, sum, unnormalised output) per query head
-// and a final pass merges them. Items run through `pr::run_items`: on the work-sharing pool
+// rows are read whole); otherwise an item is one (request, KV head) pair (ranges of heads per item
+// read longer runs of each token's row but ran slower: 1 x 96 and 1 x 288 keys, 32 heads of 64,
+// float32, Zen 3), and when those are fewer than twice the threads long contexts are split into
+// ranges of whole blocks: each split leaves (max, sum, unnormalised output) per query head
+// and a final pass merges them. float32 runs 8 keys at a time on AVX2 (`decode_block_f32`). Items run through `pr::run_items`: on the work-sharing pool
 // (`thread_pool.cpp`: a stalled thread holds one item) in steps where torch has one thread (decode
 // steps), else on OpenMP, whose team such a (mixed) step keeps awake: the pool run right after a
 // oneDNN call shared the cores with the team's spin (64 requests x 200 keys: 1.09-1.30 ms, OpenMP
@@ -344,6 +351,98 @@ inline void decode_block(const T* q, const T* k, const T* v, int64_t row, int64_
     }
   }
 }
+
+#ifdef PR_F32_AVX2
+// The same for float32 with D = 8 * NV, 8 keys at a time on AVX2 + FMA: each key's dot product in its
+// own vector, the 8 summed by a transposing horizontal add into one vector of scores (the generic
+// loops reduce each key's 8 lanes on their own), the softmax update per 8 keys, the PV sum into
+// accumulators held in registers. Keys past jb in the last group of 8 reuse row jb - 1 (not counted).
+inline __m256 hsum8x8(const __m256* d) {  // lane j = the sum of d[j]'s 8 lanes
+  const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
+  const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp of 8 floats (x <= 0 after the max subtraction; -inf gives ~0, masked off by the caller):
+// fast_exp's polynomial and range split, in AVX2.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hadd8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+template <int NV>
+inline void decode_block_f32(const float* q, const float* k, const float* v, int64_t row, int64_t ja, int64_t jb,
+                             int64_t G, float scale, float softcap, float* m, float* l, float* acc) {
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m256 NEG = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * 8 * NV;
+    float* a = acc + g * 8 * NV;
+    __m256 o[NV];
+    for (int i = 0; i < NV; ++i) o[i] = _mm256_loadu_ps(a + 8 * i);
+    float mg = m[g], lg = l[g];
+    for (int64_t j0 = ja; j0 < jb; j0 += 8) {
+      const int64_t n = std::min<int64_t>(8, jb - j0);
+      __m256 d[8];
+      for (int j = 0; j < 8; ++j) {
+        const float* kr = k + (j0 + std::min<int64_t>(j, n - 1)) * row;
+        d[j] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kr));
+        for (int i = 1; i < NV; ++i) d[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), _mm256_loadu_ps(kr + 8 * i), d[j]);
+      }
+      __m256 sv = _mm256_mul_ps(hsum8x8(d), _mm256_set1_ps(scale));
+      if (softcap > 0.f) {
+        alignas(32) float s[8];
+        _mm256_store_ps(s, sv);
+        softcap_scores(s, 8, softcap);
+        sv = _mm256_load_ps(s);
+      }
+      const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(float(n)), _CMP_LT_OQ);
+      sv = _mm256_blendv_ps(NEG, sv, valid);
+      const float mx = std::max(mg, hmax8(sv));
+      const float corr = fast_exp(mg - mx);
+      mg = mx;
+      const __m256 pv = _mm256_and_ps(exp8(_mm256_sub_ps(sv, _mm256_set1_ps(mx))), valid);
+      lg = lg * corr + hadd8(pv);
+      if (corr != 1.f)
+        for (int i = 0; i < NV; ++i) o[i] = _mm256_mul_ps(o[i], _mm256_set1_ps(corr));
+      alignas(32) float p[8];
+      _mm256_store_ps(p, pv);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = v + (j0 + j) * row;
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int i = 0; i < NV; ++i) o[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8 * i), o[i]);
+      }
+    }
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(a + 8 * i, o[i]);
+    m[g] = mg;
+    l[g] = lg;
+  }
+}
+#endif
 
 #ifdef PR_BF16_DOT
 // The same for bfloat16 with D = 32 * NC, 16 keys at a time on AVX512-BF16; V rows
@@ -514,6 +613,15 @@ void decode_item(void* ctx, int64_t idx, int) {
         continue;
       }
 #endif
+#ifdef PR_F32_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        if (D == 64 || D == 128) {
+          if (D == 64) decode_block_f32<8>(qh, kb, vb, row, ja, jb, G, c.scale, c.softcap, mh, lh, ah);
+          else decode_block_f32<16>(qh, kb, vb, row, ja, jb, G, c.scale, c.softcap, mh, lh, ah);
+          continue;
+        }
+      }
+#endif
       decode_block<T>(qh, kb, vb, row, ja, jb, G, D, c.scale, c.softcap, mh, lh, ah);
     }
   }
@@ -676,6 +784,15 @@ int pr_softcap_scores(const float* s, float* out, int64_t n, float cap, int simd
   std::copy(s, s + n, out);
   softcap_scores(out, n, cap);
   return 0;
+}
+
+// 1 when the float32 decode's AVX2 path (PR_F32_AVX2) is compiled in, else 0.
+int pr_simd_f32() {
+#ifdef PR_F32_AVX2
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // 1 when the AVX-512 BF16 paths (PR_BF16_DOT) are compiled in, else 0.
