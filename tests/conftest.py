@@ -68,52 +68,53 @@ def _seed_global_rngs(request):
     torch.manual_seed(seed)
 
 
-@pytest.fixture(params=["simd", "portable"])
-def cpu_kernels(request):
-    """Runs the test once per C++ kernel build the CPU backend may use:
-    "simd": the native build's AVX-512 BF16 paths (skipped where the CPU lacks
-    them: there the native build is the portable code); "portable": the plain
-    loops an AVX2-only CPU runs, built with -DPR_PORTABLE here. Yields the library."""
+def _kernel_build(param: str, simd: str):
+    """Yields the kernel library of build `param`, active: "simd" the native build (skipped unless its
+    `simd` paths, "bf16" or "decode", are compiled in for this CPU), "portable" the plain loops an
+    AVX2-only CPU runs, built with -DPR_PORTABLE here."""
     from polyrunner.backends.cpu import kernels
-    variant = "native" if request.param == "simd" else "portable"
+    variant = "native" if param == "simd" else "portable"
     lib = kernels.load_library(variant)
     if lib is None:
         pytest.skip("no C++ compiler: the CPU kernel library is not built")
-    if request.param == "simd" and not kernels.simd_bf16(lib):
-        pytest.skip("this CPU lacks AVX512F + AVX512_BF16: the native kernel build has no SIMD paths "
-                    "(its plain loops are the [portable] case)")
+    if param == "simd" and not (kernels.simd_bf16(lib) or (simd == "decode" and kernels.simd_f32(lib))):
+        pytest.skip(f"the native kernel build has no SIMD {simd} paths on this CPU (its plain loops are the "
+                    "[portable] case)")
     with kernels.use_kernels(variant) as active:
         yield active
+
+
+def _pool_threads(lib, n: int):
+    """Yields n with the library's thread pool started with n threads (1: the caller alone)."""
+    assert lib.pr_pool_start(n, None, 0, 200) == n - 1
+    yield n
+    lib.pr_pool_start(1, None, 0, 200)
+
+
+@pytest.fixture(params=["simd", "portable"])
+def cpu_kernels(request):
+    """Runs the test once per C++ kernel build the CPU backend may use: "simd", the native build's
+    AVX-512 BF16 paths (skipped where the CPU lacks them), and "portable". Yields the library."""
+    yield from _kernel_build(request.param, "bf16")
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
 def pool_threads(request, cpu_kernels):
     """The library's thread pool started with that many threads (1: the caller alone)."""
-    assert cpu_kernels.pr_pool_start(request.param, None, 0, 200) == request.param - 1
-    yield request.param
-    cpu_kernels.pr_pool_start(1, None, 0, 200)
+    yield from _pool_threads(cpu_kernels, request.param)
 
 
 @pytest.fixture(params=["simd", "portable"])
 def decode_build(request):
-    """The decode attention's builds: "simd", the native build where it has SIMD paths of its own
-    (AVX-512 BF16, or the float32 AVX2 path an AVX2-only CPU runs), and "portable" (plain loops)."""
-    from polyrunner.backends.cpu import kernels
-    lib = kernels.load_library("native" if request.param == "simd" else "portable")
-    if lib is None:
-        pytest.skip("no C++ compiler: the CPU kernel library is not built")
-    if request.param == "simd" and not (kernels.simd_bf16(lib) or kernels.simd_f32(lib)):
-        pytest.skip("the native kernel build has no SIMD decode paths on this CPU")
-    with kernels.use_kernels("native" if request.param == "simd" else "portable") as active:
-        yield active
+    """The decode attention's builds: "simd", the native build where it has SIMD decode paths (AVX-512
+    BF16, or the float32 AVX2 path an AVX2-only CPU runs), and "portable". Yields the library."""
+    yield from _kernel_build(request.param, "decode")
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"threads{n}")
 def decode_threads(request, decode_build):
     """`pool_threads` for `decode_build`."""
-    assert decode_build.pr_pool_start(request.param, None, 0, 200) == request.param - 1
-    yield request.param
-    decode_build.pr_pool_start(1, None, 0, 200)
+    yield from _pool_threads(decode_build, request.param)
 
 
 @pytest.fixture(scope="session")
