@@ -1,6 +1,7 @@
 // fast_exp: exp of one float, branch-free so that the loops calling it vectorise (the softmax
 // of the attention kernels, silu in fused_elementwise.cpp): 2^(x log2 e) split into 2^n * 2^f,
 // f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative error ~1e-8); x clamped to [-87, 88].
+// exp8: the same on 8 floats (AVX2 + FMA), for the float32 decode attention.
 // exp16: exp of 16 floats at once (AVX-512), for softmax after max subtraction (x <= 0):
 // 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor for 2^f (relative
 // error ~1e-8), fast_exp's polynomial.
@@ -15,18 +16,17 @@
 #include <cstring>
 
 namespace {
+// 2^f for f in [-0.5, 0.5]: Taylor coefficients of degree 0..6, shared by every exp here.
+constexpr float POW2_TAYLOR[7] = {1.f, 6.9314718055994531e-1f, 2.4022650695910071e-1f, 5.5504108664821580e-2f,
+                                  9.6181291076284772e-3f, 1.3333558146428443e-3f, 1.5403530393381608e-4f};
+
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.f), 88.f);
   const float t = x * 1.4426950408889634f;
   const float n = __builtin_rintf(t);
   const float f = t - n;
-  float p = 1.5403530393381608e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.f;
+  float p = POW2_TAYLOR[6];
+  for (int k = 5; k >= 0; --k) p = p * f + POW2_TAYLOR[k];
   uint32_t bits;
   std::memcpy(&bits, &p, 4);
   bits += uint32_t(int32_t(n)) << 23;
@@ -34,6 +34,24 @@ inline float fast_exp(float x) {
   return p;
 }
 }  // namespace
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PR_PORTABLE)
+#include <immintrin.h>
+
+namespace {
+// exp8: fast_exp of 8 floats at once (AVX2 + FMA; x <= 0 after a max subtraction, clamped at -87).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(POW2_TAYLOR[6]);
+  for (int k = 5; k >= 0; --k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(POW2_TAYLOR[k]));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+}  // namespace
+#endif
 
 #if defined(__AVX512F__) && !defined(PR_PORTABLE)
 #include <immintrin.h>
@@ -45,10 +63,8 @@ namespace {
 // 2^f for f in [-0.5, 0.5]: the Taylor polynomial of degree DEG (Horner, highest coefficient first).
 template <int DEG>
 inline __m512 pow2_taylor(__m512 f) {
-  constexpr float c[7] = {1.f, 6.9314718055994531e-1f, 2.4022650695910071e-1f, 5.5504108664821580e-2f,
-                          9.6181291076284772e-3f, 1.3333558146428443e-3f, 1.5403530393381608e-4f};
-  __m512 p = _mm512_set1_ps(c[DEG]);
-  for (int k = DEG - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[k]));
+  __m512 p = _mm512_set1_ps(POW2_TAYLOR[DEG]);
+  for (int k = DEG - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(POW2_TAYLOR[k]));
   return p;
 }
 
